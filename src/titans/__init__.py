@@ -1,0 +1,6 @@
+"""titans: Titans neural long-term memory (Behrouz, Zhong, Mirrokni, arXiv 2501.00663).
+
+Each public name is exported here by the subpackage that defines it.
+"""
+
+__version__ = "0.1.0"
