@@ -1,0 +1,156 @@
+"""One configuration system for the whole library: frozen-ish dataclasses, loaded strictly.
+
+Every config (model, task, training) is a dataclass deriving from `Config`. Loading from a dict or
+YAML rejects unknown fields and wrong types with a `ValueError` that names the field, so a typo in a
+YAML file never silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, TypeVar, Union, get_args, get_origin
+
+import yaml
+
+C = TypeVar("C", bound="Config")
+
+
+def _check_value(path: str, tp: Any, value: Any) -> Any:
+    """Coerce/validate `value` against annotation `tp`; raise ValueError naming `path`."""
+    origin = get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (Union, types.UnionType):
+        options = get_args(tp)
+        if value is None and type(None) in options:
+            return None
+        errors = []
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _check_value(path, option, value)
+            except ValueError as err:
+                errors.append(str(err))
+        raise ValueError(errors[0] if len(errors) == 1 else f"{path}: {value!r} matches none of {tp}")
+    if origin is Literal:
+        if value not in get_args(tp):
+            allowed = ", ".join(repr(a) for a in get_args(tp))
+            raise ValueError(f"{path}: {value!r} is not one of {allowed}")
+        return value
+    if origin in (tuple, list):
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"{path}: expected a list, got {type(value).__name__}")
+        args = get_args(tp)
+        item_tp = args[0] if args else Any
+        items = [_check_value(f"{path}[{i}]", item_tp, v) for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple else items
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ValueError(f"{path}: expected a mapping, got {type(value).__name__}")
+        return dict(value)
+    if isinstance(tp, type) and issubclass(tp, Config):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"{path}: expected a mapping for {tp.__name__}, got {type(value).__name__}")
+        return tp.from_dict(value, _path=path)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"{path}: expected true/false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{path}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{path}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ValueError(f"{path}: expected a string, got {value!r}")
+        return value
+    return value
+
+
+@dataclasses.dataclass
+class Config:
+    """Base class: strict `from_dict`/`to_dict`/YAML round trip plus a `validate` hook."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Subclasses check ranges and cross-field rules here, raising ValueError naming the field."""
+
+    @classmethod
+    def from_dict(cls: type[C], data: dict[str, Any], _path: str = "") -> C:
+        if not isinstance(data, dict):
+            raise ValueError(f"{_path or cls.__name__}: expected a mapping, got {type(data).__name__}")
+        hints = typing.get_type_hints(cls)
+        names = {f.name for f in dataclasses.fields(cls) if f.init}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            where = f"{_path}." if _path else ""
+            raise ValueError(
+                f"unknown field(s) {', '.join(where + u for u in unknown)} for {cls.__name__}; "
+                f"valid fields: {', '.join(sorted(names))}"
+            )
+        kwargs = {}
+        for key, value in data.items():
+            field_path = f"{_path}.{key}" if _path else key
+            kwargs[key] = _check_value(field_path, hints[key], value)
+        return cls(**kwargs)
+
+    def to_dict(self) -> dict[str, Any]:
+        def convert(value: Any) -> Any:
+            if isinstance(value, Config):
+                return value.to_dict()
+            if isinstance(value, (list, tuple)):
+                return [convert(v) for v in value]
+            return value
+
+        return {f.name: convert(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    def replace(self: C, **changes: Any) -> C:
+        return type(self).from_dict({**self.to_dict(), **changes})
+
+    @classmethod
+    def from_yaml(cls: type[C], path: str | Path) -> C:
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"config file {path} does not exist")
+        try:
+            data = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as err:
+            raise ValueError(f"config file {path} is not valid YAML: {err}") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"config file {path} must hold a mapping at the top level")
+        return cls.from_dict(data)
+
+    def to_yaml(self, path: str | Path) -> None:
+        Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `a.b.c=value` overrides (value parsed as YAML) to a nested dict, returning a new dict."""
+    result = yaml.safe_load(yaml.safe_dump(data))  # deep copy through plain types
+    for item in overrides:
+        if "=" not in item:
+            raise ValueError(f"override {item!r} must look like key.path=value")
+        key, raw = item.split("=", 1)
+        parts = key.strip().split(".")
+        node = result
+        for part in parts[:-1]:
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise ValueError(f"override {key!r}: {part!r} is not a section")
+            node = child
+        node[parts[-1]] = yaml.safe_load(raw)
+    return result

@@ -1,0 +1,71 @@
+import dataclasses
+from typing import Literal, Optional
+
+import pytest
+
+from titans.config import Config, apply_overrides
+
+
+@dataclasses.dataclass
+class Inner(Config):
+    size: int = 4
+    names: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass
+class Outer(Config):
+    kind: Literal["a", "b"] = "a"
+    rate: float = 0.5
+    limit: Optional[int] = None
+    inner: Inner = dataclasses.field(default_factory=Inner)
+
+    def validate(self) -> None:
+        if self.rate <= 0:
+            raise ValueError(f"rate must be > 0, got {self.rate}")
+
+
+def test_round_trip_through_yaml(tmp_path):
+    cfg = Outer(kind="b", rate=2, limit=3, inner=Inner(size=7, names=("x", "y")))
+    path = tmp_path / "c.yaml"
+    cfg.to_yaml(path)
+    again = Outer.from_yaml(path)
+    assert again == cfg
+    assert isinstance(again.rate, float) and again.inner.names == ("x", "y")
+
+
+@pytest.mark.parametrize(
+    "data, field",
+    [
+        ({"kind": "c"}, "kind"),
+        ({"rate": "fast"}, "rate"),
+        ({"inner": {"size": 1.5}}, "inner.size"),
+        ({"inner": {"sise": 1}}, "inner.sise"),
+        ({"speed": 1}, "speed"),
+        ({"limit": True}, "limit"),
+    ],
+)
+def test_bad_fields_are_named(data, field):
+    with pytest.raises(ValueError, match=field.replace(".", r"\.")):
+        Outer.from_dict(data)
+
+
+def test_validate_hook_runs_on_construction():
+    with pytest.raises(ValueError, match="rate"):
+        Outer(rate=-1.0)
+
+
+def test_overrides_parse_yaml_values():
+    data = apply_overrides({"inner": {"size": 1}}, ["inner.size=8", "rate=0.25", "inner.names=[p, q]"])
+    cfg = Outer.from_dict(data)
+    assert cfg.inner.size == 8 and cfg.rate == 0.25 and cfg.inner.names == ("p", "q")
+    with pytest.raises(ValueError, match="key.path=value"):
+        apply_overrides({}, ["nonsense"])
+
+
+def test_missing_or_malformed_yaml(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        Outer.from_yaml(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("kind: [unclosed")
+    with pytest.raises(ValueError, match="not valid YAML"):
+        Outer.from_yaml(bad)
