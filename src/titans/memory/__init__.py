@@ -1,1 +1,8 @@
+"""The neural long-term memory (paper §3): functional update rule, chunk-parallel and reference, layer."""
 
+from .layer import MemoryState, NeuralMemory
+from .mlp import memory_apply
+from .parallel import parallel_memory
+from .reference import sequential_memory
+
+__all__ = ["MemoryState", "NeuralMemory", "memory_apply", "parallel_memory", "sequential_memory"]

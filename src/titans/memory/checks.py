@@ -1,0 +1,97 @@
+"""Argument checks shared by `parallel_memory` and `sequential_memory`.
+
+Every failure is a ValueError that names the offending argument, so a shape slip in user code is
+reported where it happens instead of as an opaque matmul error deep in the chunk loop.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Union
+
+import torch
+from torch import Tensor
+
+from .mlp import ACTIVATIONS, Weights
+
+Theta = Union[Tensor, Callable[[Tensor, int, int], Tensor]]
+
+
+def _check_finite(name: str, t: Tensor) -> None:
+    if not torch.isfinite(t).all():
+        raise ValueError(f"{name} contains NaN or infinite values")
+
+
+def check_memory_args(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    theta: Theta,
+    eta: Tensor,
+    alpha: Tensor,
+    weights: Weights,
+    momentum: Optional[Weights],
+    chunk_size: int,
+    activation: str,
+    residual: bool,
+) -> Weights:
+    """Validate the memory call; return the momentum (zeros when None)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be [batch, heads, seq, dim], got shape {tuple(t.shape)}")
+        if not t.is_floating_point():
+            raise ValueError(f"{name} must be a floating-point tensor, got {t.dtype}")
+    if q.shape != k.shape:
+        raise ValueError(f"q has shape {tuple(q.shape)} but k has shape {tuple(k.shape)}")
+    if v.shape[:3] != k.shape[:3]:
+        raise ValueError(f"v has shape {tuple(v.shape)}, incompatible with k {tuple(k.shape)}")
+    batch, heads, seq, dim = k.shape
+    gates = {"eta": eta, "alpha": alpha}
+    if isinstance(theta, Tensor):
+        gates = {"theta": theta, **gates}
+    elif not callable(theta):
+        raise ValueError(f"theta must be a tensor [batch, heads, seq] or a callable, got {type(theta).__name__}")
+    for name, g in gates.items():
+        if not isinstance(g, Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(g).__name__}")
+        if tuple(g.shape) != (batch, heads, seq):
+            raise ValueError(f"{name} must have shape {(batch, heads, seq)} ([batch, heads, seq]), got {tuple(g.shape)}")
+        if not g.is_floating_point():
+            raise ValueError(f"{name} must be a floating-point tensor, got {g.dtype}")
+        _check_finite(name, g)
+    # Ranges: θ ≥ 0 is a learning rate; η and 1 − α are decay factors in [0, 1].
+    if isinstance(theta, Tensor) and (theta < 0).any():
+        raise ValueError("theta (inner learning rate) must be >= 0")
+    for name, g in (("eta", eta), ("alpha", alpha)):
+        if ((g < 0) | (g > 1)).any():
+            raise ValueError(f"{name} must lie in [0, 1]")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be an integer >= 1, got {chunk_size!r}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
+    if not isinstance(weights, (tuple, list)) or len(weights) == 0:
+        raise ValueError("weights must be a non-empty tuple of [batch, heads, d_in, d_out] tensors")
+    expected_in = dim
+    for i, w in enumerate(weights):
+        if not isinstance(w, Tensor) or w.dim() != 4:
+            raise ValueError(f"weights[{i}] must be a [batch, heads, d_in, d_out] tensor")
+        if tuple(w.shape[:2]) != (batch, heads):
+            raise ValueError(f"weights[{i}] has batch/heads {tuple(w.shape[:2])}, expected {(batch, heads)}")
+        if w.shape[2] != expected_in:
+            raise ValueError(f"weights[{i}] has d_in {w.shape[2]}, expected {expected_in}")
+        if not w.is_floating_point():
+            raise ValueError(f"weights[{i}] must be floating point, got {w.dtype}")
+        expected_in = w.shape[3]
+    if expected_in != v.shape[3]:
+        raise ValueError(f"the last of weights outputs {expected_in} features but v has dim {v.shape[3]}")
+    if residual and v.shape[3] != dim:
+        raise ValueError(f"residual memory needs v dim == k dim, got {v.shape[3]} and {dim}")
+    if momentum is None:
+        return tuple(torch.zeros_like(w) for w in weights)
+    if not isinstance(momentum, (tuple, list)) or len(momentum) != len(weights):
+        raise ValueError("momentum must be a tuple with one tensor per weight (or None)")
+    for i, (s, w) in enumerate(zip(momentum, weights)):
+        if not isinstance(s, Tensor) or s.shape != w.shape:
+            raise ValueError(f"momentum[{i}] must have the shape of weights[{i}] {tuple(w.shape)}")
+    return tuple(momentum)

@@ -1,0 +1,255 @@
+"""`NeuralMemory`: the long-term memory as a sequence layer (paper §3.1, with the §4.4 projections).
+
+    q_t = l2norm(SiLU(conv(x W_Q)))   k_t = l2norm(SiLU(conv(x W_K)))   v_t = SiLU(conv(x W_V))
+    θ_t = max_lr · sigmoid(x_t w_θ + b_θ)   η_t = sigmoid(x_t w_η + b_η)   α_t = sigmoid(x_t w_α + b_α)
+    memory update and per-token retrieval: `parallel_memory` (DESIGN.md §2)
+    output = W_o (RMSNorm(y) ⊙ SiLU(x W_g))
+
+All projections, gates, convs and the initial memory weights W_0 are ordinary parameters trained by
+the outer loop through the inner updates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable, Literal, Optional, Union
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..layers.conv import CausalDepthwiseConv, causal_depthwise_conv
+from .mlp import ACTIVATIONS, Weights, memory_apply
+from .parallel import parallel_memory
+
+
+@dataclasses.dataclass
+class MemoryState:
+    """Everything needed to continue a stream; constant size in the sequence length.
+
+    `weights`/`momentum` are the memory at the start of the current chunk; the tokens of that chunk
+    seen so far (fewer than `chunk_size`) wait in the `pending_*` tensors so the next call takes their
+    gradients at the same weights the one-call path would (their outputs were already returned).
+    """
+
+    weights: Weights  # [batch, heads, d_in, d_out] per memory layer, float32 (or float64)
+    momentum: Weights  # S, same shapes
+    conv_cache: Tensor  # last conv_kernel − 1 projected inputs [batch, kernel − 1, 3 · dim]
+    pending_k: Tensor  # [batch, heads, p, head_dim], p < chunk_size
+    pending_v: Tensor  # [batch, heads, p, head_dim]
+    pending_gates: Tensor  # θ, η, α logits of the pending tokens [batch, heads, p, 3]
+    seq_pos: int = 0  # tokens consumed so far
+
+    @property
+    def num_pending(self) -> int:
+        return self.pending_k.shape[2]
+
+
+class NeuralMemory(nn.Module):
+    """Neural long-term memory layer: `forward(x [B, T, dim], state=None) -> (y [B, T, dim], state)`.
+
+    Args:
+        dim: model width; split into `heads` memories of width dim // heads.
+        depth: layers of the memory MLP (1 = matrix memory).
+        expansion: hidden width of the memory MLP as a multiple of the head width.
+        chunk_size: tokens whose gradients share the chunk's starting weights (paper §3.2).
+        max_lr: θ_max, the bound on the inner learning rate.
+        activation: σ inside the memory MLP ("gelu" or "silu").
+        momentum: False sets η = 0 (no past surprise); with depth=1, residual=False this is Gated DeltaNet.
+        residual: M(x) = x + MLP(x).
+        conv_kernel: width of the causal depthwise convs on q, k, v.
+        gate_pooling: "token" (per-token θ, η, α) or "chunk" (each chunk uses its first token's gates,
+            constant within the chunk and known when the chunk starts, so still causal).
+        surprise_gate: θ_t = max_lr · sigmoid(x_t w_θ + b_θ + w_s log(1 + surprise_t)), surprise_t being the
+            memory's reconstruction error ‖M(k_t) − v_t‖² at the chunk's starting weights.
+        checkpoint_chunks: chunks per activation-checkpoint group in training (None disables).
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        heads: int = 1,
+        depth: int = 2,
+        expansion: int = 4,
+        chunk_size: int = 16,
+        max_lr: float = 0.5,
+        activation: str = "gelu",
+        momentum: bool = True,
+        residual: bool = True,
+        conv_kernel: int = 4,
+        gate_pooling: Literal["token", "chunk"] = "token",
+        surprise_gate: bool = False,
+        checkpoint_chunks: Optional[int] = 16,
+    ):
+        super().__init__()
+        if dim < 1 or heads < 1 or dim % heads:
+            raise ValueError(f"dim ({dim}) must be a positive multiple of heads ({heads})")
+        if depth < 1:
+            raise ValueError(f"depth must be >= 1, got {depth}")
+        if expansion < 1:
+            raise ValueError(f"expansion must be >= 1, got {expansion}")
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+        if not max_lr > 0:
+            raise ValueError(f"max_lr must be > 0, got {max_lr}")
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
+        if gate_pooling not in ("token", "chunk"):
+            raise ValueError(f"gate_pooling must be 'token' or 'chunk', got {gate_pooling!r}")
+        self.dim, self.heads, self.head_dim = dim, heads, dim // heads
+        self.depth, self.chunk_size, self.max_lr = depth, chunk_size, max_lr
+        self.activation, self.use_momentum, self.residual = activation, momentum, residual
+        self.gate_pooling, self.surprise_gate, self.checkpoint_chunks = gate_pooling, surprise_gate, checkpoint_chunks
+
+        self.to_qkv = nn.Linear(dim, 3 * dim, bias=False)  # W_Q, W_K, W_V
+        self.conv = CausalDepthwiseConv(3 * dim, conv_kernel)
+        self.to_gates = nn.Linear(dim, 3 * heads)  # logits of θ, η, α per head
+        with torch.no_grad():
+            self.to_gates.weight.mul_(0.1)
+            # Start with a moderate step (θ ≈ 0.12 max_lr), some momentum (η ≈ 0.5) and slow forgetting
+            # (α ≈ 0.007): the memory can store from the first step and the outer loop tunes the rest.
+            bias = self.to_gates.bias.view(3, heads)
+            bias[0].fill_(-2.0)
+            bias[1].fill_(0.0)
+            bias[2].fill_(-5.0)
+        self.surprise_weight = nn.Parameter(torch.zeros(heads)) if surprise_gate else None
+
+        hidden = self.head_dim * expansion
+        widths = [self.head_dim] + [hidden] * (depth - 1) + [self.head_dim]
+        self.initial_weights = nn.ParameterList(
+            nn.Parameter(torch.randn(heads, d_in, d_out) / math.sqrt(d_in)) for d_in, d_out in zip(widths, widths[1:])
+        )
+        self.out_norm_weight = nn.Parameter(torch.ones(heads, 1, self.head_dim))
+        self.to_out_gate = nn.Linear(dim, dim, bias=False)
+        self.to_out = nn.Linear(dim, dim, bias=False)
+
+    # ----------------------------------------------------------------------------------------- state
+    def _state_dtype(self) -> torch.dtype:
+        dtype = self.initial_weights[0].dtype
+        return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype  # states stay float32
+
+    def init_state(self, batch_size: int, device: Optional[torch.device] = None) -> MemoryState:
+        device = device or self.initial_weights[0].device
+        dtype = self._state_dtype()
+        weights = tuple(w.to(device, dtype).unsqueeze(0).expand(batch_size, -1, -1, -1) for w in self.initial_weights)
+        empty = torch.zeros(batch_size, self.heads, 0, self.head_dim, device=device, dtype=dtype)
+        return MemoryState(
+            weights=weights,
+            momentum=tuple(torch.zeros_like(w) for w in weights),
+            conv_cache=torch.zeros(batch_size, self.conv.kernel - 1, 3 * self.dim, device=device, dtype=dtype),
+            pending_k=empty,
+            pending_v=empty,
+            pending_gates=torch.zeros(batch_size, self.heads, 0, 3, device=device, dtype=dtype),
+        )
+
+    # ---------------------------------------------------------------------------------- projections
+    def _split_heads(self, t: Tensor) -> Tensor:
+        return t.unflatten(-1, (self.heads, self.head_dim)).transpose(1, 2)  # [B, T, D] -> [B, H, T, d]
+
+    def _queries(self, proj_q: Tensor) -> Tensor:
+        return F.normalize(self._split_heads(F.silu(proj_q)), dim=-1)
+
+    def _gate_values(self, logits: Tensor) -> tuple[Union[Tensor, Callable], Tensor, Tensor]:
+        """θ, η, α from logits [B, H, n, 3] that start at a chunk boundary."""
+        if self.gate_pooling == "chunk":
+            n = logits.shape[2]
+            first = torch.arange(n, device=logits.device) // self.chunk_size * self.chunk_size
+            logits = logits[:, :, first]
+        theta_logit, eta_logit, alpha_logit = logits.unbind(-1)
+        eta = torch.sigmoid(eta_logit) if self.use_momentum else torch.zeros_like(eta_logit)
+        alpha = torch.sigmoid(alpha_logit)
+        if self.surprise_weight is None:
+            return self.max_lr * torch.sigmoid(theta_logit), eta, alpha
+        weight = self.surprise_weight.view(1, -1, 1)
+
+        def theta(surprise: Tensor, start: int, end: int) -> Tensor:
+            return self.max_lr * torch.sigmoid(theta_logit[:, :, start:end] + weight * torch.log1p(surprise))
+
+        return theta, eta, alpha
+
+    def _output(self, y: Tensor, x: Tensor) -> Tensor:
+        """W_o (RMSNorm(y) ⊙ SiLU(x W_g)), y per head [B, H, T, d]."""
+        y = F.rms_norm(y.to(x.dtype), (self.head_dim,)) * self.out_norm_weight
+        y = y.transpose(1, 2).flatten(2)
+        return self.to_out(y * F.silu(self.to_out_gate(x)))
+
+    def _memory(self, q, k, v, gates, weights, momentum) -> tuple[Tensor, Weights, Weights]:
+        theta, eta, alpha = self._gate_values(gates)
+        return parallel_memory(
+            q, k, v, theta, eta, alpha, weights, momentum,
+            chunk_size=self.chunk_size, activation=self.activation, residual=self.residual,
+            checkpoint_chunks=self.checkpoint_chunks,
+        )
+
+    # -------------------------------------------------------------------------------------- forward
+    def forward(self, x: Tensor, state: Optional[MemoryState] = None) -> tuple[Tensor, MemoryState]:
+        if x.dim() != 3 or x.shape[-1] != self.dim:
+            raise ValueError(f"x must be [batch, seq, {self.dim}], got shape {tuple(x.shape)}")
+        batch, seq, _ = x.shape
+        if state is None:
+            state = self.init_state(batch, x.device)
+        dtype = self._state_dtype()
+        proj, conv_cache = self.conv(self.to_qkv(x), state.conv_cache)
+        proj_q, proj_k, proj_v = proj.to(dtype).chunk(3, dim=-1)
+        q = self._queries(proj_q)
+        k = F.normalize(self._split_heads(F.silu(proj_k)), dim=-1)
+        v = self._split_heads(F.silu(proj_v))
+        gates = self.to_gates(x).to(dtype).unflatten(-1, (3, self.heads)).permute(0, 3, 1, 2)  # [B, H, T, 3]
+
+        # Continue the unfinished chunk: its pending tokens go first (their outputs are discarded),
+        # so every chunk's gradients are taken at the weights it started with, as in one call.
+        p = state.num_pending
+        k = torch.cat([state.pending_k, k], dim=2)
+        v = torch.cat([state.pending_v, v], dim=2)
+        gates = torch.cat([state.pending_gates, gates], dim=2)
+        q = torch.cat([q.new_zeros(batch, self.heads, p, self.head_dim), q], dim=2)
+        total = p + seq
+        full = total // self.chunk_size * self.chunk_size
+        W, S = state.weights, state.momentum
+        outputs = []
+        if full:
+            y, W, S = self._memory(q[:, :, :full], k[:, :, :full], v[:, :, :full], gates[:, :, :full], W, S)
+            outputs.append(y)
+        if full < total:  # the new unfinished chunk: outputs now, gradients again when it completes
+            tail = slice(full, total)
+            y, _, _ = self._memory(q[:, :, tail], k[:, :, tail], v[:, :, tail], gates[:, :, tail], W, S)
+            outputs.append(y)
+        y = torch.cat(outputs, dim=2)[:, :, p:]
+        new_state = MemoryState(
+            weights=W,
+            momentum=S,
+            conv_cache=conv_cache.to(dtype),
+            pending_k=k[:, :, full:],
+            pending_v=v[:, :, full:],
+            pending_gates=gates[:, :, full:],
+            seq_pos=state.seq_pos + seq,
+        )
+        return self._output(y, x), new_state
+
+    def current_weights(self, state: MemoryState) -> Weights:
+        """The memory as it stands after the last consumed token (pending tokens applied)."""
+        if state.num_pending == 0:
+            return state.weights
+        q = torch.zeros_like(state.pending_k)
+        _, W, _ = self._memory(q, state.pending_k, state.pending_v, state.pending_gates, state.weights, state.momentum)
+        return W
+
+    def retrieve(
+        self, x: Tensor, state: Optional[MemoryState] = None, query_cache: Optional[Tensor] = None
+    ) -> tuple[Tensor, Tensor]:
+        """Read-only retrieval h_t = M(q_t) from the memory as it stands in `state` (paper eq. 15).
+
+        q comes from x through this memory's W_Q and causal conv; `query_cache` is that conv's cache for
+        the x stream (separate from the update stream's cache in `state`). Returns (h [B, T, dim], cache).
+        """
+        if x.dim() != 3 or x.shape[-1] != self.dim:
+            raise ValueError(f"x must be [batch, seq, {self.dim}], got shape {tuple(x.shape)}")
+        if state is None:
+            state = self.init_state(x.shape[0], x.device)
+        dim = self.dim
+        proj_q = F.linear(x, self.to_qkv.weight[:dim])
+        proj_q, query_cache = causal_depthwise_conv(proj_q, self.conv.weight[:dim], self.conv.bias[:dim], query_cache)
+        q = self._queries(proj_q.to(self._state_dtype()))
+        h = memory_apply(q, self.current_weights(state), self.activation, self.residual)
+        return self._output(h, x), query_cache

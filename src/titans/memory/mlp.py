@@ -1,0 +1,84 @@
+"""The memory network M(x; W) as a pure function of its weights (paper §3.1, "deep memory").
+
+depth 1:   M(x) = x W            (+ x with `residual`)   -- a matrix memory
+depth L>1: M(x) = σ(…σ(x W_1)…) W_L   (+ x with `residual`)
+
+Weights are tuples of `[batch, heads, d_in, d_out]` tensors: each (batch, head) owns its memory.
+`forward_cached` keeps every layer's input `a_{i-1}` and pre-activation `z_i` so that
+`backward_deltas` can back-propagate the associative loss by hand, giving `δ_i = ∂ℓ/∂z_i` per token.
+The weight gradient of token s for layer i is then the outer product `a_{i-1,s}ᵀ δ_{i,s}`, which the
+chunk-parallel algorithm never materialises (DESIGN.md §2).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+Weights = tuple[Tensor, ...]
+
+_INV_SQRT2 = 1.0 / math.sqrt(2.0)
+_INV_SQRT2PI = 1.0 / math.sqrt(2.0 * math.pi)
+
+
+def _gelu_grad(z: Tensor) -> Tensor:
+    # d/dz [z Φ(z)] = Φ(z) + z φ(z), exact (erf) GELU as in torch's default.
+    cdf = 0.5 * (1.0 + torch.erf(z * _INV_SQRT2))
+    pdf = torch.exp(-0.5 * z * z) * _INV_SQRT2PI
+    return cdf + z * pdf
+
+
+def _silu_grad(z: Tensor) -> Tensor:
+    s = torch.sigmoid(z)
+    return s * (1.0 + z * (1.0 - s))
+
+
+# name -> (σ, σ'); both built from differentiable torch ops so the outer loop can back-propagate
+# through the hand-written inner gradient (second order terms included).
+ACTIVATIONS: dict[str, tuple[Callable[[Tensor], Tensor], Callable[[Tensor], Tensor]]] = {
+    "gelu": (torch.nn.functional.gelu, _gelu_grad),
+    "silu": (torch.nn.functional.silu, _silu_grad),
+}
+
+
+def memory_apply(x: Tensor, weights: Weights, activation: str = "gelu", residual: bool = True) -> Tensor:
+    """M(x; W) for x `[batch, heads, n, d]`."""
+    sigma = ACTIVATIONS[activation][0]
+    h = x
+    for i, w in enumerate(weights):
+        h = h @ w
+        if i < len(weights) - 1:
+            h = sigma(h)
+    return x + h if residual else h
+
+
+def forward_cached(x: Tensor, weights: Weights, activation: str, residual: bool) -> tuple[Tensor, list[Tensor], list[Tensor]]:
+    """M(x; W) plus each layer's input `a_{i-1}` and pre-activation `z_i` (for `backward_deltas`)."""
+    sigma = ACTIVATIONS[activation][0]
+    inputs, preacts = [], []
+    a = x
+    for i, w in enumerate(weights):
+        inputs.append(a)
+        z = a @ w
+        preacts.append(z)
+        a = sigma(z) if i < len(weights) - 1 else z
+    out = x + a if residual else a
+    return out, inputs, preacts
+
+
+def backward_deltas(out: Tensor, v: Tensor, weights: Weights, preacts: list[Tensor], activation: str) -> list[Tensor]:
+    """δ_i = ∂ℓ/∂z_i for ℓ = Σ_j (M(k)_j − v_j)² (plain sum, no ½), per token.
+
+    The residual adds the identity to ∂M/∂z_L, so δ_L = 2 (M(k) − v) with or without it.
+    """
+    sigma_grad = ACTIVATIONS[activation][1]
+    delta = 2.0 * (out - v)
+    deltas = [delta]
+    for i in range(len(weights) - 1, 0, -1):
+        delta = (delta @ weights[i].transpose(-1, -2)) * sigma_grad(preacts[i - 1])
+        deltas.append(delta)
+    deltas.reverse()
+    return deltas

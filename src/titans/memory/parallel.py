@@ -1,0 +1,205 @@
+"""Chunk-parallel memory update with exact per-token retrieval (DESIGN.md §2, the "dual form").
+
+Inside a chunk of n tokens starting from weights W⁰ and momentum S⁰, unrolling eqs. 12-13 gives
+
+    W_t = β_t W⁰ + c_t S⁰ − Σ_{s≤t} C[t,s] a_sᵀ δ_s
+
+with E[t,s] = Π_{s<j≤t} η_j, B[t,r] = Π_{r<j≤t} (1 − α_j), β_t = Π_{j≤t} (1 − α_j), e_t = Π_{j≤t} η_j,
+C = B (E diag θ) and c = B e. Every quantity is a matmul over the chunk: per-token weight
+gradients `a_sᵀ δ_s` are never materialised. The retrieval of token t uses W_t itself (after its own
+update), so chunk size 1 is exactly the sequential recurrence and larger chunks only change where
+the gradients are taken (at W⁰, as the paper's mini-batch gradient descent prescribes).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+from .checks import Theta, check_memory_args
+from .mlp import ACTIVATIONS, Weights, backward_deltas, forward_cached
+
+# exp(-1e4) is exactly 0 in float32/float64: a gate of exactly 0 (η = 0, i.e. no momentum, or
+# α = 1, full forgetting) becomes a finite log value, so masked differences never form inf − inf.
+LOG_FLOOR = -1.0e4
+
+
+class Decays(NamedTuple):
+    """Within-chunk decay factors; leading dims [batch, heads, (chunks)], chunk dim last."""
+
+    beta: Tensor  # β_t = Π_{j≤t}(1 − α_j)                    [..., n]
+    c: Tensor  # c_t = Σ_{r≤t} B[t,r] e_r  (weight of S⁰ in W_t)  [..., n]
+    B: Tensor  # B[t,r] = Π_{r<j≤t}(1 − α_j), lower triangular   [..., n, n]
+    E: Tensor  # E[t,s] = Π_{s<j≤t} η_j, lower triangular         [..., n, n]
+    e: Tensor  # e_t = Π_{j≤t} η_j                                [..., n]
+
+
+def _masked_exp_cumdiff(log_factors: Tensor) -> Tensor:
+    """M[t,s] = exp(Σ_{s<j≤t} log f_j) for s ≤ t, else 0; masked BEFORE exp so nothing overflows."""
+    cum = torch.cumsum(log_factors, dim=-1)
+    diff = cum.unsqueeze(-1) - cum.unsqueeze(-2)
+    n = log_factors.shape[-1]
+    causal = torch.ones(n, n, dtype=torch.bool, device=log_factors.device).tril()
+    return torch.exp(diff.masked_fill(~causal, float("-inf")))
+
+
+def chunk_decays(eta: Tensor, alpha: Tensor) -> Decays:
+    """Decay matrices of DESIGN.md §2 step 2, in log space; the chunk is the last dim of eta/alpha."""
+    log_keep = torch.log1p(-alpha).clamp_min(LOG_FLOOR)
+    log_eta = torch.log(eta).clamp_min(LOG_FLOOR)
+    B = _masked_exp_cumdiff(log_keep)
+    E = _masked_exp_cumdiff(log_eta)
+    beta = torch.exp(torch.cumsum(log_keep, dim=-1))
+    e = torch.exp(torch.cumsum(log_eta, dim=-1))
+    c = (B @ e.unsqueeze(-1)).squeeze(-1)
+    return Decays(beta, c, B, E, e)
+
+
+def _chunk_step(
+    W0: Weights,
+    S0: Weights,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    theta: Theta,
+    decays: Decays,
+    start: int,
+    activation: str,
+    residual: bool,
+) -> tuple[Tensor, Weights, Weights]:
+    """One chunk: outputs y_t = M(q_t; W_t) for every token, and the state after the chunk."""
+    sigma = ACTIVATIONS[activation][0]
+    out, inputs, preacts = forward_cached(k, W0, activation, residual)
+    if not isinstance(theta, Tensor):  # surprise-gated θ: the reconstruction error at W⁰
+        theta = theta(((out - v) ** 2).sum(-1), start, start + k.shape[2])
+    deltas = backward_deltas(out, v, W0, preacts, activation)
+    C = decays.B @ (decays.E * theta.unsqueeze(-2))  # C[t,s] = Σ_r B[t,r] E[r,s] θ_s
+    beta, c = decays.beta.unsqueeze(-1), decays.c.unsqueeze(-1)
+
+    # Retrieval, layer by layer (step 3): z_i = diag(β) h W⁰ + diag(c) h S⁰ − (C ⊙ h aᵀ) δ_i.
+    h = q
+    depth = len(W0)
+    for i in range(depth):
+        scores = C * (h @ inputs[i].transpose(-1, -2))
+        z = beta * (h @ W0[i]) + c * (h @ S0[i]) - scores @ deltas[i]
+        h = sigma(z) if i < depth - 1 else z
+    y = q + h if residual else h
+
+    # State after the chunk (step 4): the last row of the same matrices.
+    weight_coef = C[..., -1, :].unsqueeze(-1)  # C[n, s]
+    momentum_coef = (theta * decays.E[..., -1, :]).unsqueeze(-1)  # θ_s E[n, s]
+    beta_n, c_n, e_n = (x[..., -1, None, None] for x in (decays.beta, decays.c, decays.e))
+    W_new, S_new = [], []
+    for i in range(depth):
+        a_t = inputs[i].transpose(-1, -2)
+        W_new.append(beta_n * W0[i] + c_n * S0[i] - a_t @ (weight_coef * deltas[i]))
+        S_new.append(e_n * S0[i] - a_t @ (momentum_coef * deltas[i]))
+    return y, tuple(W_new), tuple(S_new)
+
+
+def _run_chunks(
+    W: Weights,
+    S: Weights,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    theta: Theta,
+    eta: Tensor,
+    alpha: Tensor,
+    offset: int,
+    chunk_size: int,
+    activation: str,
+    residual: bool,
+) -> tuple[Tensor, Weights, Weights]:
+    """Process q/k/v (a whole number of chunks, or one ragged chunk) chunk after chunk."""
+    seq = k.shape[2]
+    n = min(chunk_size, seq)
+    chunks = seq // n
+    # Decays for all chunks at once: gates [b, h, chunks, n].
+    decays = chunk_decays(eta.unflatten(-1, (chunks, n)), alpha.unflatten(-1, (chunks, n)))
+    theta_chunks = theta.unflatten(-1, (chunks, n)) if isinstance(theta, Tensor) else theta
+    outputs = []
+    for j in range(chunks):
+        sl = slice(j * n, (j + 1) * n)
+        step_decays = Decays(*(x[:, :, j] for x in decays))
+        step_theta = theta_chunks[:, :, j] if isinstance(theta, Tensor) else theta
+        y, W, S = _chunk_step(
+            W, S, q[:, :, sl], k[:, :, sl], v[:, :, sl], step_theta, step_decays, offset + j * n, activation, residual
+        )
+        outputs.append(y)
+    return torch.cat(outputs, dim=2), W, S
+
+
+def parallel_memory(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    theta: Theta,
+    eta: Tensor,
+    alpha: Tensor,
+    weights: Weights,
+    momentum: Optional[Weights] = None,
+    chunk_size: int = 16,
+    activation: str = "gelu",
+    residual: bool = True,
+    checkpoint_chunks: Optional[int] = None,
+) -> tuple[Tensor, Weights, Weights]:
+    """Run the Titans memory over a sequence; return (y, weights after the last token, momentum).
+
+    Args:
+        q, k, v: `[batch, heads, seq, dim]` queries, keys, values (v may have another width without residual).
+        theta: inner learning rate θ_t `[batch, heads, seq]`, or a callable `(surprise [b, h, n], start, end)
+            -> θ [b, h, n]` evaluated per chunk, where surprise is ℓ_t at the chunk's starting weights.
+        eta: momentum decay η_t `[batch, heads, seq]` ("past surprise"), in [0, 1].
+        alpha: forgetting α_t `[batch, heads, seq]`, in [0, 1].
+        weights: tuple of `[batch, heads, d_in, d_out]`, the memory MLP's layers at the start.
+        momentum: same shapes; zeros when None.
+        chunk_size: tokens per chunk b; gradients of a chunk are all taken at its starting weights.
+        activation: σ between memory layers, "gelu" or "silu".
+        residual: M(x) = x + MLP(x) instead of MLP(x).
+        checkpoint_chunks: when autograd is recording, recompute groups of this many chunks in the backward
+            pass (`torch.utils.checkpoint`) so memory holds one state per group instead of per chunk.
+
+    A sequence whose length is not a multiple of `chunk_size` ends with a ragged chunk. The state is
+    kept in the dtype of `weights` (use float32 there even when q/k/v are bf16).
+    """
+    momentum = check_memory_args(q, k, v, theta, eta, alpha, weights, momentum, chunk_size, activation, residual)
+    if checkpoint_chunks is not None and (not isinstance(checkpoint_chunks, int) or checkpoint_chunks < 1):
+        raise ValueError(f"checkpoint_chunks must be a positive integer or None, got {checkpoint_chunks!r}")
+    out_dtype = q.dtype
+    state_dtype = weights[0].dtype
+    q, k, v = (t.to(state_dtype) for t in (q, k, v))
+    if isinstance(theta, Tensor):
+        theta = theta.to(state_dtype)
+    eta, alpha = eta.to(state_dtype), alpha.to(state_dtype)
+    W, S = tuple(weights), tuple(momentum)
+
+    seq = k.shape[2]
+    full = (seq // chunk_size) * chunk_size
+    group = (checkpoint_chunks or 0) * chunk_size
+    use_checkpoint = group > 0 and torch.is_grad_enabled() and full > group
+    # (start, end) pieces: groups of whole chunks (checkpointed when training), then the ragged tail.
+    step = group if use_checkpoint else max(full, 1)
+    pieces = [(s, min(s + step, full)) for s in range(0, full, step)]
+    if full < seq:
+        pieces.append((full, seq))
+
+    def run(start: int, end: int, W: Weights, S: Weights):
+        sl = slice(start, end)
+        th = theta[:, :, sl] if isinstance(theta, Tensor) else theta
+        return _run_chunks(W, S, q[:, :, sl], k[:, :, sl], v[:, :, sl], th, eta[:, :, sl], alpha[:, :, sl], start,
+                           chunk_size, activation, residual)
+
+    outputs = []
+    for start, end in pieces:
+        if use_checkpoint and end - start == group:
+            y, W, S = checkpoint(run, start, end, W, S, use_reentrant=False)
+        else:
+            y, W, S = run(start, end, W, S)
+        outputs.append(y)
+    if not outputs:
+        return q.new_zeros(q.shape[:3] + (v.shape[3],)).to(out_dtype), W, S
+    return torch.cat(outputs, dim=2).to(out_dtype), W, S

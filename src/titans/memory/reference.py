@@ -1,0 +1,63 @@
+"""The plain token-by-token reference of the memory update (paper eqs. 10-14). Slow; for tests.
+
+Written to be obviously right rather than fast: every token's gradient comes from autograd
+(`torch.func.grad`), the recurrence is applied one token at a time, and nothing is vectorised over
+the sequence. `parallel_memory` must agree with it to float64 round-off.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .checks import Theta, check_memory_args
+from .mlp import Weights, memory_apply
+
+
+def sequential_memory(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    theta: Theta,
+    eta: Tensor,
+    alpha: Tensor,
+    weights: Weights,
+    momentum: Optional[Weights] = None,
+    chunk_size: int = 16,
+    activation: str = "gelu",
+    residual: bool = True,
+) -> tuple[Tensor, Weights, Weights]:
+    """Same contract as `parallel_memory`, computed token by token."""
+    momentum = check_memory_args(q, k, v, theta, eta, alpha, weights, momentum, chunk_size, activation, residual)
+    out_dtype, state_dtype = q.dtype, weights[0].dtype
+    q, k, v = (t.to(state_dtype) for t in (q, k, v))
+
+    def token_loss(ws: Weights, k_t: Tensor, v_t: Tensor) -> Tensor:
+        # ℓ_t(W) = Σ_j (M(k_t; W)_j − v_t,j)²; summing over batch and heads is harmless because each
+        # (batch, head) owns its own weights, so the gradient w.r.t. W[b, h] sees only its own term.
+        return ((memory_apply(k_t, ws, activation, residual) - v_t) ** 2).sum()
+
+    token_grad = torch.func.grad(token_loss)
+    W, S = tuple(weights), tuple(momentum)
+    seq = k.shape[2]
+    outputs = []
+    for start in range(0, seq, chunk_size):
+        end = min(start + chunk_size, seq)
+        W_start = W  # t' = first token of the chunk: all its gradients are taken here
+        if isinstance(theta, Tensor):
+            theta_chunk = theta[:, :, start:end]
+        else:
+            surprise = ((memory_apply(k[:, :, start:end], W_start, activation, residual) - v[:, :, start:end]) ** 2).sum(-1)
+            theta_chunk = theta(surprise, start, end)
+        for t in range(start, end):
+            grads = token_grad(W_start, k[:, :, t : t + 1], v[:, :, t : t + 1])
+            theta_t = theta_chunk[:, :, t - start, None, None]
+            eta_t = eta[:, :, t, None, None]
+            keep_t = 1.0 - alpha[:, :, t, None, None]
+            S = tuple(eta_t * s - theta_t * g for s, g in zip(S, grads))  # eq. 12: S_t = η_t S_{t-1} − θ_t ∇ℓ_t
+            W = tuple(keep_t * w + s for w, s in zip(W, S))  # eq. 13: W_t = (1 − α_t) W_{t-1} + S_t
+            outputs.append(memory_apply(q[:, :, t : t + 1], W, activation, residual))  # eq. 15: y_t = M(q_t; W_t)
+    y = torch.cat(outputs, dim=2) if outputs else q.new_zeros(q.shape[:3] + (v.shape[3],))
+    return y.to(out_dtype), W, S
