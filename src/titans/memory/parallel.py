@@ -58,9 +58,12 @@ def chunk_decays(eta: Tensor, alpha: Tensor) -> Decays:
     return Decays(beta, c, B, E, e)
 
 
+def _flat3(t: Tensor) -> Tensor:
+    return t.reshape(-1, *t.shape[-2:])
+
+
 def _chunk_step(
-    W0: Weights,
-    S0: Weights,
+    WS: Weights,
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -69,9 +72,15 @@ def _chunk_step(
     start: int,
     activation: str,
     residual: bool,
-) -> tuple[Tensor, Weights, Weights]:
-    """One chunk: outputs y_t = M(q_t; W_t) for every token, and the state after the chunk."""
+) -> tuple[Tensor, Weights]:
+    """One chunk: outputs y_t = M(q_t; W_t) for every token, and the state after the chunk.
+
+    The state of layer i is stacked as WS_i = [W_i; S_i] (`[b, h, 2 d_in, d_out]`) so that the two
+    terms β_t h W⁰ + c_t h S⁰ are one matmul of [β h, c h] against WS, and the whole state update is
+    one matmul plus one batched 2×2 mix.
+    """
     sigma = ACTIVATIONS[activation][0]
+    W0 = tuple(ws[..., : ws.shape[-2] // 2, :] for ws in WS)
     out, inputs, preacts = forward_cached(k, W0, activation, residual)
     if not isinstance(theta, Tensor):  # surprise-gated θ: the reconstruction error at W⁰
         theta = theta(((out - v) ** 2).sum(-1), start, start + k.shape[2])
@@ -81,28 +90,32 @@ def _chunk_step(
 
     # Retrieval, layer by layer (step 3): z_i = diag(β) h W⁰ + diag(c) h S⁰ − (C ⊙ h aᵀ) δ_i.
     h = q
-    depth = len(W0)
+    depth = len(WS)
     for i in range(depth):
         scores = C * (h @ inputs[i].transpose(-1, -2))
-        z = beta * (h @ W0[i]) + c * (h @ S0[i]) - scores @ deltas[i]
+        z = torch.cat([beta * h, c * h], dim=-1) @ WS[i]
+        z = torch.baddbmm(_flat3(z), _flat3(scores), _flat3(deltas[i]), alpha=-1.0).view_as(z)
         h = sigma(z) if i < depth - 1 else z
     y = q + h if residual else h
 
-    # State after the chunk (step 4): the last row of the same matrices.
-    weight_coef = C[..., -1, :].unsqueeze(-1)  # C[n, s]
-    momentum_coef = (theta * decays.E[..., -1, :]).unsqueeze(-1)  # θ_s E[n, s]
-    beta_n, c_n, e_n = (x[..., -1, None, None] for x in (decays.beta, decays.c, decays.e))
-    W_new, S_new = [], []
+    # State after the chunk (step 4), the last row of the same matrices:
+    #   W ← β_n W⁰ + c_n S⁰ − aᵀ diag(C[n,:]) δ      S ← e_n S⁰ − aᵀ diag(θ ⊙ E[n,:]) δ
+    weight_coef = -C[..., -1, :].unsqueeze(-1)
+    momentum_coef = -(theta * decays.E[..., -1, :]).unsqueeze(-1)
+    beta_n, c_n, e_n = (x[..., -1] for x in (decays.beta, decays.c, decays.e))
+    mix = torch.stack([beta_n, c_n, torch.zeros_like(e_n), e_n], dim=-1).view(-1, 2, 2)
+    WS_new = []
     for i in range(depth):
-        a_t = inputs[i].transpose(-1, -2)
-        W_new.append(beta_n * W0[i] + c_n * S0[i] - a_t @ (weight_coef * deltas[i]))
-        S_new.append(e_n * S0[i] - a_t @ (momentum_coef * deltas[i]))
-    return y, tuple(W_new), tuple(S_new)
+        a = inputs[i]
+        update = torch.cat([weight_coef * a, momentum_coef * a], dim=-1).transpose(-1, -2) @ deltas[i]
+        ws = WS[i]
+        flat = torch.baddbmm(update.reshape(mix.shape[0], 2, -1), mix, ws.reshape(mix.shape[0], 2, -1))
+        WS_new.append(flat.view_as(ws))
+    return y, tuple(WS_new)
 
 
 def _run_chunks(
-    W: Weights,
-    S: Weights,
+    WS: Weights,
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -113,7 +126,7 @@ def _run_chunks(
     chunk_size: int,
     activation: str,
     residual: bool,
-) -> tuple[Tensor, Weights, Weights]:
+) -> tuple[Tensor, Weights]:
     """Process q/k/v (a whole number of chunks, or one ragged chunk) chunk after chunk."""
     seq = k.shape[2]
     n = min(chunk_size, seq)
@@ -126,11 +139,11 @@ def _run_chunks(
         sl = slice(j * n, (j + 1) * n)
         step_decays = Decays(*(x[:, :, j] for x in decays))
         step_theta = theta_chunks[:, :, j] if isinstance(theta, Tensor) else theta
-        y, W, S = _chunk_step(
-            W, S, q[:, :, sl], k[:, :, sl], v[:, :, sl], step_theta, step_decays, offset + j * n, activation, residual
+        y, WS = _chunk_step(
+            WS, q[:, :, sl], k[:, :, sl], v[:, :, sl], step_theta, step_decays, offset + j * n, activation, residual
         )
         outputs.append(y)
-    return torch.cat(outputs, dim=2), W, S
+    return torch.cat(outputs, dim=2), WS
 
 
 def parallel_memory(
@@ -175,7 +188,7 @@ def parallel_memory(
     if isinstance(theta, Tensor):
         theta = theta.to(state_dtype)
     eta, alpha = eta.to(state_dtype), alpha.to(state_dtype)
-    W, S = tuple(weights), tuple(momentum)
+    WS = tuple(torch.cat([w, s], dim=-2) for w, s in zip(weights, momentum))  # state stacked [W; S]
 
     seq = k.shape[2]
     full = (seq // chunk_size) * chunk_size
@@ -187,19 +200,20 @@ def parallel_memory(
     if full < seq:
         pieces.append((full, seq))
 
-    def run(start: int, end: int, W: Weights, S: Weights):
+    def run(start: int, end: int, WS: Weights) -> tuple[Tensor, Weights]:
         sl = slice(start, end)
         th = theta[:, :, sl] if isinstance(theta, Tensor) else theta
-        return _run_chunks(W, S, q[:, :, sl], k[:, :, sl], v[:, :, sl], th, eta[:, :, sl], alpha[:, :, sl], start,
+        return _run_chunks(WS, q[:, :, sl], k[:, :, sl], v[:, :, sl], th, eta[:, :, sl], alpha[:, :, sl], start,
                            chunk_size, activation, residual)
 
     outputs = []
     for start, end in pieces:
         if use_checkpoint and end - start == group:
-            y, W, S = checkpoint(run, start, end, W, S, use_reentrant=False)
+            y, WS = checkpoint(run, start, end, WS, use_reentrant=False)
         else:
-            y, W, S = run(start, end, W, S)
+            y, WS = run(start, end, WS)
         outputs.append(y)
-    if not outputs:
-        return q.new_zeros(q.shape[:3] + (v.shape[3],)).to(out_dtype), W, S
-    return torch.cat(outputs, dim=2).to(out_dtype), W, S
+    W = tuple(ws[..., : ws.shape[-2] // 2, :] for ws in WS)
+    S = tuple(ws[..., ws.shape[-2] // 2 :, :] for ws in WS)
+    y = torch.cat(outputs, dim=2) if outputs else q.new_zeros(q.shape[:3] + (v.shape[3],))
+    return y.to(out_dtype), W, S

@@ -1,0 +1,216 @@
+"""parallel_memory (chunk-parallel dual form) against the token-by-token reference, in float64."""
+
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from titans.memory import memory_apply, parallel_memory, sequential_memory
+
+DT = torch.float64
+
+
+def make_inputs(batch=2, heads=2, seq=21, dim=4, depth=2, hidden=8, seed=0, requires_grad=False):
+    g = torch.Generator().manual_seed(seed)
+    q = F.normalize(torch.randn(batch, heads, seq, dim, generator=g, dtype=DT), dim=-1)
+    k = F.normalize(torch.randn(batch, heads, seq, dim, generator=g, dtype=DT), dim=-1)
+    v = torch.randn(batch, heads, seq, dim, generator=g, dtype=DT)
+    theta = 0.1 * torch.rand(batch, heads, seq, generator=g, dtype=DT)
+    eta = 0.8 * torch.rand(batch, heads, seq, generator=g, dtype=DT)
+    alpha = 0.2 * torch.rand(batch, heads, seq, generator=g, dtype=DT)
+    widths = [dim] + [hidden] * (depth - 1) + [dim]
+    weights = tuple(
+        torch.randn(batch, heads, a, b, generator=g, dtype=DT) / a**0.5 for a, b in zip(widths, widths[1:])
+    )
+    momentum = tuple(0.1 * torch.randn(w.shape, generator=g, dtype=DT) for w in weights)
+    args = [q, k, v, theta, eta, alpha, weights, momentum]
+    if requires_grad:
+        args = [tuple(t.requires_grad_() for t in a) if isinstance(a, tuple) else a.requires_grad_() for a in args]
+    return args
+
+
+def flat(args):
+    return [t for a in args for t in (a if isinstance(a, tuple) else (a,))]
+
+
+def max_diff(xs, ys):
+    return max((x - y).abs().max().item() for x, y in zip(xs, ys))
+
+
+@pytest.mark.parametrize(
+    "chunk_size, depth, activation",
+    list(itertools.product([1, 3, 16], [1, 2, 3], ["gelu", "silu"])),
+)
+def test_parallel_equals_sequential(chunk_size, depth, activation):
+    # seq 37 leaves a ragged last chunk for chunk sizes 3 and 16
+    args = make_inputs(seq=37, depth=depth)
+    y_p, W_p, S_p = parallel_memory(*args, chunk_size=chunk_size, activation=activation)
+    y_s, W_s, S_s = sequential_memory(*args, chunk_size=chunk_size, activation=activation)
+    assert y_p.shape == (2, 2, 37, 4)
+    assert max_diff([y_p, *W_p, *S_p], [y_s, *W_s, *S_s]) <= 1e-10
+
+
+@pytest.mark.parametrize("residual", [True, False])
+def test_parallel_equals_sequential_without_residual_and_zero_momentum(residual):
+    args = make_inputs(seq=19, depth=2)
+    args[7] = None  # momentum starts at zero
+    out_p = parallel_memory(*args, chunk_size=4, residual=residual)
+    out_s = sequential_memory(*args, chunk_size=4, residual=residual)
+    assert max_diff([out_p[0], *out_p[1], *out_p[2]], [out_s[0], *out_s[1], *out_s[2]]) <= 1e-10
+
+
+def test_chunk_size_one_is_the_plain_recurrence():
+    """Depth-1 residual memory, chunk 1: eqs. 12-13 with the closed-form gradient 2 kᵀ(k + kW − v)."""
+    q, k, v, theta, eta, alpha, weights, momentum = make_inputs(seq=12, depth=1)
+    W, S = weights[0], momentum[0]
+    ys = []
+    for t in range(12):
+        kt, vt = k[:, :, t : t + 1], v[:, :, t : t + 1]
+        grad = 2 * kt.transpose(-1, -2) @ (kt + kt @ W - vt)
+        S = eta[:, :, t, None, None] * S - theta[:, :, t, None, None] * grad
+        W = (1 - alpha[:, :, t, None, None]) * W + S
+        ys.append(q[:, :, t : t + 1] + q[:, :, t : t + 1] @ W)
+    y, W_p, S_p = parallel_memory(q, k, v, theta, eta, alpha, weights, momentum, chunk_size=1)
+    assert max_diff([y, W_p[0], S_p[0]], [torch.cat(ys, 2), W, S]) <= 1e-12
+
+
+def test_gated_delta_rule_is_a_configuration():
+    """η = 0, depth 1, no residual: W_t = (1 − α_t) W_{t−1} − 2 θ_t kᵀ(k W_{t−1} − v) (Gated DeltaNet)."""
+    q, k, v, theta, _, alpha, weights, _ = make_inputs(seq=10, depth=1)
+    eta = torch.zeros_like(theta)
+    W = weights[0]
+    ys = []
+    for t in range(10):
+        kt, vt = k[:, :, t : t + 1], v[:, :, t : t + 1]
+        W = (1 - alpha[:, :, t, None, None]) * W - theta[:, :, t, None, None] * 2 * kt.transpose(-1, -2) @ (kt @ W - vt)
+        ys.append(q[:, :, t : t + 1] @ W)
+    y, W_p, _ = parallel_memory(q, k, v, theta, eta, alpha, weights, chunk_size=1, residual=False)
+    assert max_diff([y, W_p[0]], [torch.cat(ys, 2), W]) <= 1e-12
+
+
+def test_chunk_gradients_are_taken_at_the_chunk_start():
+    """Within a chunk nothing is learned before its end: with θ only on the first token, y of the
+    following tokens of the same chunk must see that token's update computed at W⁰."""
+    q, k, v, theta, eta, alpha, weights, momentum = make_inputs(seq=8, depth=2)
+    y_chunk, W_chunk, _ = parallel_memory(q, k, v, theta, eta, alpha, weights, momentum, chunk_size=8)
+    y_tok, W_tok, _ = parallel_memory(q, k, v, theta, eta, alpha, weights, momentum, chunk_size=1)
+    # same first token (one gradient, taken at W⁰ either way), different later tokens
+    assert max_diff([y_chunk[:, :, :1]], [y_tok[:, :, :1]]) <= 1e-12
+    assert max_diff([y_chunk[:, :, 1:]], [y_tok[:, :, 1:]]) > 1e-6
+
+
+@pytest.mark.parametrize("chunk_size", [1, 4])
+def test_gradients_match_the_reference(chunk_size):
+    args = make_inputs(seq=11, depth=2, requires_grad=True)
+    grads = []
+    for fn in (parallel_memory, sequential_memory):
+        y, W, S = fn(*args, chunk_size=chunk_size)
+        loss = (y**2).sum() + sum((w**3).sum() for w in W) + sum(s.sum() for s in S)
+        grads.append(torch.autograd.grad(loss, flat(args)))
+    assert max_diff(*grads) <= 1e-10
+    assert all(g.abs().sum() > 0 for g in grads[0])  # every input really receives a gradient
+
+
+def test_surprise_gated_theta_matches_the_reference():
+    q, k, v, theta, eta, alpha, weights, momentum = make_inputs(seq=13, depth=2, requires_grad=True)
+
+    def surprise_theta(surprise, start, end):
+        return 0.5 * torch.sigmoid(theta[:, :, start:end] - 0.7 * torch.log1p(surprise))
+
+    outs = []
+    for fn in (parallel_memory, sequential_memory):
+        y, W, S = fn(q, k, v, surprise_theta, eta, alpha, weights, momentum, chunk_size=5)
+        outs.append([y, *W, *S, *torch.autograd.grad(y.pow(2).sum(), [theta, k])])
+    assert max_diff(*outs) <= 1e-10
+
+
+def test_gradcheck_tiny():
+    q, k, v, theta, eta, alpha, weights, momentum = make_inputs(batch=1, heads=1, seq=5, dim=2, hidden=3, requires_grad=True)
+
+    def fn(q, k, v, theta, eta, alpha, w1, w2, s1, s2):
+        y, W, S = parallel_memory(q, k, v, theta, eta, alpha, (w1, w2), (s1, s2), chunk_size=2)
+        return (y, *W, *S)
+
+    inputs = (q, k, v, theta, eta, alpha, *weights, *momentum)
+    assert torch.autograd.gradcheck(fn, inputs, eps=1e-6, atol=1e-7)
+
+
+def test_checkpointed_groups_give_identical_gradients():
+    args = make_inputs(seq=40, depth=2, requires_grad=True)
+    grads = []
+    for checkpoint_chunks in (None, 2):
+        y, W, S = parallel_memory(*args, chunk_size=4, checkpoint_chunks=checkpoint_chunks)
+        grads.append(torch.autograd.grad((y**2).sum() + W[0].sum(), flat(args)))
+    assert max_diff(*grads) <= 1e-12
+
+
+def test_causality_of_the_functional_core():
+    q, k, v, theta, eta, alpha, weights, momentum = make_inputs(seq=20, depth=2)
+    y, _, _ = parallel_memory(q, k, v, theta, eta, alpha, weights, momentum, chunk_size=8)
+    for j in (0, 5, 9, 19):
+        k2, v2, th2 = k.clone(), v.clone(), theta.clone()
+        k2[:, :, j] = F.normalize(torch.randn_like(k2[:, :, j]), dim=-1)
+        v2[:, :, j] += 1.0
+        th2[:, :, j] = 0.05
+        y2, _, _ = parallel_memory(q, k2, v2, th2, eta, alpha, weights, momentum, chunk_size=8)
+        assert torch.equal(y2[:, :, :j], y[:, :, :j])
+        assert (y2[:, :, j:] - y[:, :, j:]).abs().max() > 1e-6
+
+
+def test_state_is_float32_when_activations_are_bf16():
+    q, k, v, theta, eta, alpha, weights, momentum = make_inputs(seq=9, depth=2)
+    lowp = [t.to(torch.bfloat16) for t in (q, k, v)]
+    weights32 = tuple(w.float() for w in weights)
+    y, W, S = parallel_memory(*lowp, theta.float(), eta.float(), alpha.float(), weights32, chunk_size=4)
+    assert y.dtype == torch.bfloat16 and all(w.dtype == torch.float32 for w in W + S)
+
+
+def test_memory_apply_shapes_and_residual():
+    x = torch.randn(1, 1, 3, 4, dtype=DT)
+    w = (torch.zeros(1, 1, 4, 4, dtype=DT),)
+    assert torch.equal(memory_apply(x, w, residual=True), x)
+    assert torch.equal(memory_apply(x, w, residual=False), torch.zeros_like(x))
+
+
+def test_zero_gates_are_exact_limits():
+    """α = 1 forgets everything before the token; η = 0 keeps no momentum (log-space floor, no NaN)."""
+    q, k, v, theta, eta, alpha, weights, momentum = make_inputs(seq=6, depth=1)
+    alpha = torch.ones_like(alpha)
+    eta = torch.zeros_like(eta)
+    y, W, S = parallel_memory(q, k, v, theta, eta, alpha, weights, momentum, chunk_size=3)
+    y_ref, W_ref, S_ref = sequential_memory(q, k, v, theta, eta, alpha, weights, momentum, chunk_size=3)
+    assert torch.isfinite(y).all()
+    assert max_diff([y, *W, *S], [y_ref, *W_ref, *S_ref]) <= 1e-12
+
+
+BAD_CASES = {
+    "q": lambda a: a.__setitem__(0, a[0][..., :3]),
+    "k": lambda a: a.__setitem__(1, a[1].long()),
+    "v": lambda a: a.__setitem__(2, a[2][:, :, :5]),
+    "theta": lambda a: a.__setitem__(3, a[3][:, :1]),
+    "eta": lambda a: a.__setitem__(4, a[4].masked_fill(a[4] > 0.5, float("nan"))),
+    "alpha": lambda a: a.__setitem__(5, a[5] + 2.0),
+    "weights": lambda a: a.__setitem__(6, (a[6][0][..., :3, :], a[6][1])),
+    "momentum": lambda a: a.__setitem__(7, (a[7][0],)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_CASES))
+@pytest.mark.parametrize("fn", [parallel_memory, sequential_memory])
+def test_bad_input_names_the_argument(name, fn):
+    args = make_inputs(seq=7)
+    BAD_CASES[name](args)
+    with pytest.raises(ValueError, match=name):
+        fn(*args)
+
+
+@pytest.mark.parametrize("chunk_size", [0, -3, 2.5])
+def test_bad_chunk_size(chunk_size):
+    with pytest.raises(ValueError, match="chunk_size"):
+        parallel_memory(*make_inputs(seq=7), chunk_size=chunk_size)
+
+
+def test_unknown_activation():
+    with pytest.raises(ValueError, match="activation"):
+        parallel_memory(*make_inputs(seq=7), activation="relu")
