@@ -73,7 +73,7 @@ class NeuralMemory(nn.Module):
         depth: int = 2,
         expansion: int = 4,
         chunk_size: int = 16,
-        max_lr: float = 0.5,
+        max_lr: float = 0.1,
         activation: str = "gelu",
         momentum: bool = True,
         residual: bool = True,

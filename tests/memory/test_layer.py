@@ -1,0 +1,178 @@
+"""NeuralMemory: streaming with carried state, causality, long streams, options, bad input."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from titans.memory import MemoryState, NeuralMemory
+
+DT = torch.float64
+
+OPTION_SETS = {
+    "default": {},
+    "chunk-pooled gates": {"gate_pooling": "chunk"},
+    "surprise gate": {"surprise_gate": True},
+    "gated deltanet": {"depth": 1, "momentum": False, "residual": False},
+    "depth 3 silu": {"depth": 3, "activation": "silu", "expansion": 2},
+}
+
+
+def make_memory(chunk_size=4, **options) -> NeuralMemory:
+    torch.manual_seed(0)
+    memory = NeuralMemory(16, heads=2, chunk_size=chunk_size, **options).to(DT)
+    with torch.no_grad():  # move gates away from their init so every term of the update matters
+        memory.to_gates.weight.normal_(0, 0.3)
+        if memory.surprise_weight is not None:
+            memory.surprise_weight.normal_(0, 1.0)
+    return memory
+
+
+def run_in_pieces(memory, x, cuts):
+    state, outputs = None, []
+    bounds = [0, *cuts, x.shape[1]]
+    for a, b in zip(bounds, bounds[1:]):
+        y, state = memory(x[:, a:b], state)
+        outputs.append(y)
+    return torch.cat(outputs, 1), state
+
+
+@pytest.mark.parametrize("name", sorted(OPTION_SETS))
+def test_split_calls_and_token_by_token_equal_one_call(name):
+    memory = make_memory(**OPTION_SETS[name])
+    x = torch.randn(2, 23, 16, dtype=DT)
+    y, state = memory(x)
+    y_split, state_split = run_in_pieces(memory, x, [3, 4, 11, 12])
+    y_tokens, state_tokens = run_in_pieces(memory, x, list(range(1, 23)))
+    for other, other_state in ((y_split, state_split), (y_tokens, state_tokens)):
+        assert (other - y).abs().max() <= 1e-12
+        for w, w2 in zip(state.weights + state.momentum, other_state.weights + other_state.momentum):
+            assert (w - w2).abs().max() <= 1e-12
+        assert other_state.seq_pos == 23 and other_state.num_pending == 23 % 4
+
+
+@settings(max_examples=15, deadline=None)
+@given(cuts=st.lists(st.integers(1, 29), max_size=5, unique=True).map(sorted), chunk_size=st.sampled_from([1, 3, 8]))
+def test_any_split_equals_one_call(cuts, chunk_size):
+    memory = make_memory(chunk_size=chunk_size)
+    x = torch.randn(1, 30, 16, dtype=DT, generator=torch.Generator().manual_seed(len(cuts)))
+    y, _ = memory(x)
+    y_split, _ = run_in_pieces(memory, x, cuts)
+    assert (y_split - y).abs().max() <= 1e-12
+
+
+def test_state_is_constant_size_token_by_token():
+    memory = make_memory(chunk_size=4)
+    state = None
+    sizes = set()
+    for t in range(40):
+        _, state = memory(torch.randn(1, 1, 16, dtype=DT), state)
+        if t >= 3:
+            sizes.add(sum(w.numel() for w in state.weights + state.momentum) + state.conv_cache.numel())
+        assert state.num_pending < 4
+    assert len(sizes) == 1
+
+
+@pytest.mark.parametrize("name", ["default", "gated deltanet"])
+def test_causality(name):
+    memory = make_memory(**OPTION_SETS[name])
+    x = torch.randn(2, 20, 16, dtype=DT)
+    y, _ = memory(x)
+    for j in (0, 6, 13, 19):
+        x2 = x.clone()
+        x2[:, j] += torch.randn(2, 16, dtype=DT)
+        y2, _ = memory(x2)
+        assert torch.equal(y2[:, :j], y[:, :j])
+        assert (y2[:, j:] - y[:, j:]).abs().max() > 1e-8
+
+
+def test_chunk_pooling_keeps_gates_constant_within_a_chunk():
+    memory = make_memory(chunk_size=4, gate_pooling="chunk")
+    logits = torch.randn(1, 2, 10, 3, dtype=DT)
+    theta, eta, alpha = memory._gate_values(logits)
+    for gate in (theta, eta, alpha):
+        assert torch.equal(gate[..., 0:4], gate[..., :1].expand(-1, -1, 4))
+        assert torch.equal(gate[..., 8:10], gate[..., 8:9].expand(-1, -1, 2))
+
+
+def test_retrieve_reads_without_writing():
+    memory = make_memory(chunk_size=4)
+    x = torch.randn(2, 10, 16, dtype=DT)
+    _, state = memory(x)
+    before = [w.clone() for w in state.weights]
+    queries = torch.randn(2, 5, 16, dtype=DT)
+    h, cache = memory.retrieve(queries, state)
+    assert h.shape == (2, 5, 16) and cache.shape == (2, 3, 16)
+    assert all(torch.equal(a, b) for a, b in zip(before, state.weights))
+    # retrieving in two pieces with the query cache equals one call
+    h1, c1 = memory.retrieve(queries[:, :2], state)
+    h2, _ = memory.retrieve(queries[:, 2:], state, c1)
+    assert (torch.cat([h1, h2], 1) - h).abs().max() <= 1e-12
+    # the memory that was written differs from the initial one, and so do the reads
+    h0, _ = memory.retrieve(queries, None)
+    assert (h0 - h).abs().max() > 1e-6
+
+
+def test_outer_gradients_reach_every_parameter():
+    memory = make_memory(chunk_size=4, surprise_gate=True)
+    y, _ = memory(torch.randn(2, 13, 16, dtype=DT))
+    y.pow(2).sum().backward()
+    for name, p in memory.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, name
+
+
+def test_checkpointing_matches_plain_training_gradients():
+    x = torch.randn(2, 64, 16, dtype=DT)
+    grads = []
+    for checkpoint_chunks in (None, 2):
+        memory = make_memory(chunk_size=4, checkpoint_chunks=checkpoint_chunks)
+        memory(x)[0].pow(2).sum().backward()
+        grads.append([p.grad for p in memory.parameters()])
+    assert max((a - b).abs().max().item() for a, b in zip(*grads)) <= 1e-12
+
+
+def test_long_stream_stays_finite_float32():
+    """200k random tokens through one state, float32, with the step at its bound (θ ≈ max_lr) and
+    almost no forgetting: the bound on θ (with l2-normalised keys) keeps the memory finite."""
+    torch.manual_seed(0)
+    memory = NeuralMemory(64, heads=2, chunk_size=16, depth=2, expansion=4)
+    with torch.no_grad():
+        memory.to_gates.bias.view(3, 2)[0].fill_(4.0)  # θ ≈ 0.98 max_lr
+        memory.to_gates.bias.view(3, 2)[1].fill_(0.0)  # η ≈ 0.5
+        memory.to_gates.bias.view(3, 2)[2].fill_(-8.0)  # α ≈ 3e-4
+    state = None
+    with torch.no_grad():
+        for _ in range(20):
+            y, state = memory(torch.randn(1, 10_000, 64), state)
+            assert torch.isfinite(y).all()
+    assert state.seq_pos == 200_000
+    assert all(torch.isfinite(w).all() for w in state.weights + state.momentum)
+    assert all(w.dtype == torch.float32 for w in state.weights)
+
+
+def test_bf16_model_keeps_float32_state():
+    memory = NeuralMemory(16, heads=2, chunk_size=4).to(torch.bfloat16)
+    y, state = memory(torch.randn(1, 9, 16, dtype=torch.bfloat16))
+    assert y.dtype == torch.bfloat16
+    assert isinstance(state, MemoryState) and all(w.dtype == torch.float32 for w in state.weights + state.momentum)
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"dim": 10, "heads": 3}, "dim"),
+        ({"depth": 0}, "depth"),
+        ({"chunk_size": 0}, "chunk_size"),
+        ({"max_lr": 0.0}, "max_lr"),
+        ({"activation": "tanh"}, "activation"),
+        ({"gate_pooling": "mean"}, "gate_pooling"),
+    ],
+)
+def test_bad_construction_names_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        NeuralMemory(**{"dim": 16, **kwargs})
+
+
+def test_bad_input_shape():
+    with pytest.raises(ValueError, match="x must be"):
+        NeuralMemory(16)(torch.randn(2, 5, 8))
