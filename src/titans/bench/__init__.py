@@ -1,1 +1,73 @@
+"""Benchmarks, run as commands (`titans bench ...`), never as timed tests."""
 
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+bench_app = typer.Typer(help="Throughput and memory benchmarks.", no_args_is_help=True)
+
+
+@bench_app.callback()
+def _group() -> None:
+    """Throughput and memory benchmarks (commands, not tests)."""
+
+
+def _int_list(text: str, name: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise typer.BadParameter(f"{name} must be comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise typer.BadParameter(f"{name} must be positive integers, got {text!r}")
+    return values
+
+
+@bench_app.command("memory")
+def memory(
+    lengths: str = typer.Option("512,1024,2048,4096,8192,16384", help="Sequence lengths, comma-separated."),
+    batch: int = typer.Option(4, min=1),
+    dim: int = typer.Option(256, min=1),
+    heads: int = typer.Option(1, min=1),
+    depth: int = typer.Option(2, min=1),
+    expansion: int = typer.Option(4, min=1),
+    chunk_size: int = typer.Option(16, min=1),
+    repeats: int = typer.Option(2, min=1, help="Timed iterations per point (the best is reported)."),
+    reference: bool = typer.Option(True, help="Also measure titans-pytorch==0.5.5 when installed."),
+    reference_lengths: Optional[str] = typer.Option(
+        "512,1024,2048,8192", help="Lengths at which to run the reference (it is slow and memory hungry)."
+    ),
+    memory_cap_gib: float = typer.Option(20.0, help="Address-space cap per point; above it a point reports OOM."),
+    timeout_s: float = typer.Option(900.0, help="Time limit per point."),
+    out: Optional[Path] = typer.Option(None, help="Write the points as JSON here."),
+) -> None:
+    """NeuralMemory tokens/s (forward, forward+backward) and peak memory, against the reference."""
+    from .memory import format_table, reference_available, run_point
+
+    seq_lens = _int_list(lengths, "lengths")
+    spec = dict(batch=batch, dim=dim, heads=heads, depth=depth, expansion=expansion, chunk_size=chunk_size,
+                repeats=repeats)
+    impls = ["titans"]
+    if reference and reference_available():
+        impls.append("reference")
+    elif reference:
+        typer.echo("titans-pytorch is not installed (pip install -c constraints.txt '.[compare]'): ours only.")
+    ref_lens = set(_int_list(reference_lengths, "reference_lengths")) if reference_lengths else set(seq_lens)
+    points = []
+    for seq in seq_lens:
+        for impl in impls:
+            if impl == "reference" and seq not in ref_lens:
+                continue
+            point = run_point({**spec, "impl": impl, "seq_len": seq}, memory_cap_gib, timeout_s)
+            typer.echo(f"{impl:>9} seq {seq:>6}: {point.status}, fwd {point.fwd_tok_s or 0:.0f} tok/s, "
+                       f"fwd+bwd {point.fwd_bwd_tok_s or 0:.0f} tok/s, peak {point.peak_mib or 0:.0f} MiB", err=True)
+            points.append(point)
+    typer.echo(f"NeuralMemory dim {dim}, heads {heads}, depth {depth}, expansion {expansion}, chunk {chunk_size}, "
+               f"batch {batch}; {__import__('torch').get_num_threads()} threads")
+    typer.echo(format_table(points))
+    if out is not None:
+        out.write_text(json.dumps([p.__dict__ for p in points], indent=2))
+        typer.echo(f"wrote {out}")

@@ -63,7 +63,9 @@ class NeuralMemory(nn.Module):
             constant within the chunk and known when the chunk starts, so still causal).
         surprise_gate: θ_t = max_lr · sigmoid(x_t w_θ + b_θ + w_s log(1 + surprise_t)), surprise_t being the
             memory's reconstruction error ‖M(k_t) − v_t‖² at the chunk's starting weights.
-        checkpoint_chunks: chunks per activation-checkpoint group in training (None disables).
+        checkpoint_chunks: chunks per activation-checkpoint group in training. None (default) chooses:
+            no checkpointing up to 64 chunks, beyond that groups of ⌈√chunks⌉ chunks, so the autograd graph
+            holds O(√T) states instead of one per chunk; 0 disables it.
     """
 
     def __init__(
@@ -80,7 +82,7 @@ class NeuralMemory(nn.Module):
         conv_kernel: int = 4,
         gate_pooling: Literal["token", "chunk"] = "token",
         surprise_gate: bool = False,
-        checkpoint_chunks: Optional[int] = 16,
+        checkpoint_chunks: Optional[int] = None,
     ):
         super().__init__()
         if dim < 1 or heads < 1 or dim % heads:
@@ -174,12 +176,18 @@ class NeuralMemory(nn.Module):
         y = y.transpose(1, 2).flatten(2)
         return self.to_out(y * F.silu(self.to_out_gate(x)))
 
+    def _checkpoint_group(self, seq: int) -> Optional[int]:
+        if self.checkpoint_chunks is not None:
+            return self.checkpoint_chunks or None
+        chunks = seq // self.chunk_size
+        return math.isqrt(chunks - 1) + 1 if chunks > 64 else None
+
     def _memory(self, q, k, v, gates, weights, momentum) -> tuple[Tensor, Weights, Weights]:
         theta, eta, alpha = self._gate_values(gates)
         return parallel_memory(
             q, k, v, theta, eta, alpha, weights, momentum,
             chunk_size=self.chunk_size, activation=self.activation, residual=self.residual,
-            checkpoint_chunks=self.checkpoint_chunks,
+            checkpoint_chunks=self._checkpoint_group(k.shape[2]),
         )
 
     # -------------------------------------------------------------------------------------- forward

@@ -1,0 +1,150 @@
+"""Throughput and peak memory of `NeuralMemory`, side by side with the public reference package.
+
+Every (implementation, sequence length) point runs in a fresh subprocess so that its peak resident
+memory is its own, under an address-space cap so that a run which would exhaust the machine fails
+cleanly ("out of memory") instead. The reference (`titans-pytorch==0.5.5`, optional extra
+`compare`) is measured in the same run with the same shapes when it is installed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+import torch
+
+
+@dataclass
+class BenchPoint:
+    impl: str
+    seq_len: int
+    batch: int
+    status: str = "ok"  # ok | out of memory | timeout | error: ...
+    fwd_tok_s: Optional[float] = None
+    fwd_bwd_tok_s: Optional[float] = None
+    peak_mib: Optional[float] = None  # peak resident memory above the process's footprint before the run
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _build(impl: str, dim: int, heads: int, depth: int, expansion: int, chunk_size: int) -> torch.nn.Module:
+    if impl == "titans":
+        from titans.memory import NeuralMemory
+
+        return NeuralMemory(dim, heads=heads, depth=depth, expansion=expansion, chunk_size=chunk_size)
+    from titans_pytorch import NeuralMemory as ReferenceMemory
+
+    return ReferenceMemory(
+        dim=dim, chunk_size=chunk_size, heads=heads,
+        default_model_kwargs=dict(depth=depth, expansion_factor=float(expansion)),
+    )
+
+
+def _worker(spec: dict) -> BenchPoint:
+    """Runs inside the subprocess: time forward and forward+backward, track peak RSS."""
+    torch.manual_seed(0)
+    point = BenchPoint(spec["impl"], spec["seq_len"], spec["batch"])
+    model = _build(spec["impl"], spec["dim"], spec["heads"], spec["depth"], spec["expansion"], spec["chunk_size"])
+    x = torch.randn(spec["batch"], spec["seq_len"], spec["dim"])
+    tokens = spec["batch"] * spec["seq_len"]
+    base = _rss_mib()
+    try:
+        with torch.no_grad():
+            model(x)  # warm-up
+            times = []
+            for _ in range(spec["repeats"]):
+                start = time.perf_counter()
+                model(x)
+                times.append(time.perf_counter() - start)
+        point.fwd_tok_s = tokens / min(times)
+        times = []
+        for i in range(spec["repeats"] + 1):  # first iteration is warm-up
+            model.zero_grad(set_to_none=True)
+            start = time.perf_counter()
+            y = model(x)[0]
+            y.float().pow(2).mean().backward()
+            if i:
+                times.append(time.perf_counter() - start)
+        point.fwd_bwd_tok_s = tokens / min(times)
+    except (RuntimeError, MemoryError) as err:
+        if "memory" not in str(err).lower() and not isinstance(err, MemoryError):
+            raise
+        point.status = "out of memory"
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB -> MiB on Linux
+    point.peak_mib = peak - base
+    return point
+
+
+def run_point(spec: dict, memory_cap_gib: float, timeout_s: float) -> BenchPoint:
+    """Run one point in a subprocess with an address-space cap and a time limit."""
+    cmd = [sys.executable, "-m", "titans.bench.memory", json.dumps({**spec, "memory_cap_gib": memory_cap_gib})]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return BenchPoint(spec["impl"], spec["seq_len"], spec["batch"], status=f"timeout (> {timeout_s:.0f} s)")
+    if out.returncode != 0:
+        lines = (out.stderr or out.stdout).strip().splitlines()
+        tail = lines[-1] if lines else f"exit code {out.returncode}"
+        status = "out of memory" if "memory" in tail.lower() or out.returncode == -9 else f"error: {tail[:120]}"
+        return BenchPoint(spec["impl"], spec["seq_len"], spec["batch"], status=status)
+    return BenchPoint(**json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def reference_available() -> bool:
+    try:
+        import titans_pytorch  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def format_table(points: list[BenchPoint]) -> str:
+    """Markdown table; a ratio column when both implementations ran at a length."""
+    by_len: dict[int, dict[str, BenchPoint]] = {}
+    for p in points:
+        by_len.setdefault(p.seq_len, {})[p.impl] = p
+
+    def cell(p: Optional[BenchPoint], attr: str, fmt: str) -> str:
+        if p is None:
+            return "-"
+        if p.status != "ok":
+            return p.status
+        return format(getattr(p, attr), fmt)
+
+    lines = [
+        "| seq | titans fwd tok/s | titans fwd+bwd tok/s | titans peak MiB | reference fwd tok/s "
+        "| reference fwd+bwd tok/s | reference peak MiB | fwd+bwd speed-up |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for seq in sorted(by_len):
+        ours, ref = by_len[seq].get("titans"), by_len[seq].get("reference")
+        ratio = "-"
+        if ours and ref and ours.status == ref.status == "ok":
+            ratio = f"{ours.fwd_bwd_tok_s / ref.fwd_bwd_tok_s:.1f}x"
+        lines.append(
+            f"| {seq} | {cell(ours, 'fwd_tok_s', '.0f')} | {cell(ours, 'fwd_bwd_tok_s', '.0f')} | "
+            f"{cell(ours, 'peak_mib', '.0f')} | {cell(ref, 'fwd_tok_s', '.0f')} | {cell(ref, 'fwd_bwd_tok_s', '.0f')} | "
+            f"{cell(ref, 'peak_mib', '.0f')} | {ratio} |"
+        )
+    return "\n".join(lines)
+
+
+def _main_worker(arg: str) -> None:
+    spec = json.loads(arg)
+    cap = int(spec.pop("memory_cap_gib") * 2**30)
+    resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+    torch.set_num_threads(spec.get("threads") or torch.get_num_threads())
+    print(json.dumps(asdict(_worker(spec))))
+
+
+if __name__ == "__main__":
+    _main_worker(sys.argv[1])
