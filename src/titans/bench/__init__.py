@@ -36,6 +36,7 @@ def memory(
     expansion: int = typer.Option(4, min=1),
     chunk_size: int = typer.Option(16, min=1),
     repeats: int = typer.Option(2, min=1, help="Timed iterations per point (the best is reported)."),
+    warmup: int = typer.Option(2, min=0, help="Untimed iterations first (allocator and caches reach steady state)."),
     reference: bool = typer.Option(True, help="Also measure titans-pytorch==0.5.5 when installed."),
     reference_lengths: Optional[str] = typer.Option(
         "512,1024,2048,8192", help="Lengths at which to run the reference (it is slow and memory hungry)."
@@ -49,7 +50,7 @@ def memory(
 
     seq_lens = _int_list(lengths, "lengths")
     spec = dict(batch=batch, dim=dim, heads=heads, depth=depth, expansion=expansion, chunk_size=chunk_size,
-                repeats=repeats)
+                repeats=repeats, warmup=warmup)
     impls = ["titans"]
     if reference and reference_available():
         impls.append("reference")

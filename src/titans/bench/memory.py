@@ -59,7 +59,8 @@ def _worker(spec: dict) -> BenchPoint:
     base = _rss_mib()
     try:
         with torch.no_grad():
-            model(x)  # warm-up
+            for _ in range(spec["warmup"]):
+                model(x)
             times = []
             for _ in range(spec["repeats"]):
                 start = time.perf_counter()
@@ -67,12 +68,14 @@ def _worker(spec: dict) -> BenchPoint:
                 times.append(time.perf_counter() - start)
         point.fwd_tok_s = tokens / min(times)
         times = []
-        for i in range(spec["repeats"] + 1):  # first iteration is warm-up
+        # Warm-up iterations let the allocator reach its steady state (the first ones page-fault on
+        # fresh memory), which is what a training run sees after its first steps.
+        for i in range(spec["warmup"] + spec["repeats"]):
             model.zero_grad(set_to_none=True)
             start = time.perf_counter()
             y = model(x)[0]
             y.float().pow(2).mean().backward()
-            if i:
+            if i >= spec["warmup"]:
                 times.append(time.perf_counter() - start)
         point.fwd_bwd_tok_s = tokens / min(times)
     except (RuntimeError, MemoryError) as err:
