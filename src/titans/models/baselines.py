@@ -1,0 +1,53 @@
+"""Baselines in the same block structure: Transformer++, sliding-window attention, LSTM, Gated DeltaNet.
+
+Gated DeltaNet is a configuration of our memory, not a second implementation: a matrix memory
+(depth 1, no residual) with no momentum (η = 0) gives W_t = (1 − α_t) W_{t−1} − 2 θ_t k_tᵀ(k_t W_{t−1} − v_t),
+the gated delta rule (Yang et al., 2024), in the same chunk-parallel kernel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+
+from ..layers import Attention
+from ..memory import NeuralMemory
+from .common import build_memory, build_window_attention
+from .config import TitansConfig
+
+
+def build_transformer_mixer(cfg: TitansConfig) -> Attention:
+    return Attention(cfg.dim, cfg.heads, window=None, rope_base=cfg.rope_base, dropout=cfg.dropout)
+
+
+def build_swa_mixer(cfg: TitansConfig) -> Attention:
+    return build_window_attention(cfg)
+
+
+def build_gated_deltanet_mixer(cfg: TitansConfig) -> NeuralMemory:
+    return build_memory(cfg, depth=1, momentum=False, residual=False)
+
+
+@dataclasses.dataclass
+class LSTMState:
+    h: Tensor  # [1, batch, dim]
+    c: Tensor
+
+
+class LSTMMixer(nn.Module):
+    """One LSTM layer as the mixer of a pre-norm block (so it gets the same MLPs and norms)."""
+
+    def __init__(self, cfg: TitansConfig):
+        super().__init__()
+        self.lstm = nn.LSTM(cfg.dim, cfg.dim, batch_first=True)
+
+    def forward(self, x: Tensor, state: Optional[LSTMState] = None) -> tuple[Tensor, LSTMState]:
+        y, (h, c) = self.lstm(x, (state.h, state.c) if state is not None else None)
+        return y, LSTMState(h, c)
+
+
+def build_lstm_mixer(cfg: TitansConfig) -> LSTMMixer:
+    return LSTMMixer(cfg)

@@ -1,0 +1,63 @@
+"""`TitansConfig`: the one configuration of every model variant and baseline."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal, Optional
+
+from ..config import Config
+
+Variant = Literal["lmm", "mac", "mag", "mal", "transformer", "swa", "lstm", "gated_deltanet"]
+VARIANTS: tuple[str, ...] = ("lmm", "mac", "mag", "mal", "transformer", "swa", "lstm", "gated_deltanet")
+
+
+@dataclasses.dataclass
+class TitansConfig(Config):
+    """Model configuration. CPU-scale defaults; the paper's at-scale values are noted beside them."""
+
+    variant: Variant = "mac"
+    vocab_size: int = 256  # byte-level by default
+    dim: int = 128
+    depth: int = 2  # number of blocks
+    heads: int = 4
+    window: int = 64  # sliding-window attention (swa, mag, mal)
+    segment_len: int = 64  # MAC segment length C (paper: 512)
+    n_persistent: int = 4  # persistent memory tokens per layer (mac, mag, mal; paper: 128 for MAC)
+    memory_depth: int = 2  # L_M (paper: 2)
+    memory_expansion: int = 4  # hidden width of the memory MLP / head width (paper: 4)
+    memory_heads: Optional[int] = None  # default: heads
+    chunk_size: int = 16  # memory chunk b (paper: 16)
+    max_lr: float = 0.1  # θ_max, the bound on the inner learning rate
+    memory_activation: Literal["gelu", "silu"] = "gelu"  # paper: GELU
+    momentum: bool = True  # η (past surprise); gated_deltanet always runs without
+    gate_pooling: Literal["token", "chunk"] = "token"
+    surprise_gate: bool = False  # θ_t = θ_max sigmoid(w·[x_t, surprise_t])
+    conv_kernel: int = 4
+    mlp_ratio: float = 4.0  # SwiGLU hidden = mlp_ratio · dim · 2/3 before parameter matching
+    match_params: bool = True  # size each variant's MLP so all variants have about the same parameters
+    dropout: float = 0.0
+    tie_embeddings: bool = True
+    rope_base: float = 10_000.0
+
+    def validate(self) -> None:
+        positive = ("vocab_size", "dim", "depth", "heads", "window", "segment_len", "memory_depth",
+                    "memory_expansion", "chunk_size", "conv_kernel")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.variant not in VARIANTS:
+            raise ValueError(f"variant must be one of {', '.join(VARIANTS)}; got {self.variant!r}")
+        if self.dim % self.heads:
+            raise ValueError(f"dim ({self.dim}) must be divisible by heads ({self.heads})")
+        if (self.dim // self.heads) % 2:
+            raise ValueError(f"dim / heads must be even for rotary embeddings, got {self.dim // self.heads}")
+        if self.memory_heads is not None and (self.memory_heads < 1 or self.dim % self.memory_heads):
+            raise ValueError(f"memory_heads ({self.memory_heads}) must divide dim ({self.dim})")
+        if self.n_persistent < 0:
+            raise ValueError(f"n_persistent must be >= 0, got {self.n_persistent}")
+        if not 0 < self.max_lr:
+            raise ValueError(f"max_lr must be > 0, got {self.max_lr}")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        if self.mlp_ratio <= 0:
+            raise ValueError(f"mlp_ratio must be > 0, got {self.mlp_ratio}")

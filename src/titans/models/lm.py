@@ -1,0 +1,172 @@
+"""`TitansLM`: token embedding → blocks (one mixer per variant) → norm → LM head.
+
+Every variant shares this file; what differs is the mixer, built by the function in its own file.
+Models are recurrent: `forward(tokens, state)` returns the state to continue the stream, so a
+sequence fed in pieces gives the same logits as one call, and generation needs no growing cache
+(attention caches stop at the window or segment, memory states are constant in size).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Callable, Optional, Union
+
+import torch
+import torch.nn.functional as F
+from safetensors import SafetensorError
+from safetensors.torch import load_model, save_model
+from torch import Tensor, nn
+
+from ..layers import KVCache, RMSNorm
+from ..memory import MemoryState
+from .baselines import (LSTMState, build_gated_deltanet_mixer, build_lstm_mixer, build_swa_mixer,
+                        build_transformer_mixer)
+from .common import Block, count_parameters, mlp_hidden_size
+from .config import TitansConfig
+from .lmm import build_lmm_mixer
+from .mac import MACState, build_mac_mixer
+from .mag import MAGState, build_mag_mixer
+from .mal import MALState, build_mal_mixer
+from .state_io import register_state
+
+MIXERS: dict[str, Callable[[TitansConfig], nn.Module]] = {
+    "lmm": build_lmm_mixer,
+    "mac": build_mac_mixer,
+    "mag": build_mag_mixer,
+    "mal": build_mal_mixer,
+    "transformer": build_transformer_mixer,
+    "swa": build_swa_mixer,
+    "lstm": build_lstm_mixer,
+    "gated_deltanet": build_gated_deltanet_mixer,
+}
+
+for _cls in (MemoryState, KVCache, MACState, MAGState, MALState, LSTMState):
+    register_state(_cls)
+
+State = list  # one entry per block
+
+
+class Backbone(nn.Module):
+    """The stack of blocks plus the final norm, on embeddings `[batch, seq, dim]`."""
+
+    def __init__(self, cfg: TitansConfig):
+        super().__init__()
+        build = MIXERS[cfg.variant]
+        hidden = mlp_hidden_size(cfg, build, MIXERS["mag"])
+        self.blocks = nn.ModuleList(Block(build(cfg), cfg.dim, hidden, cfg.dropout) for _ in range(cfg.depth))
+        self.norm = RMSNorm(cfg.dim)
+
+    def forward(self, x: Tensor, state: Optional[State] = None) -> tuple[Tensor, State]:
+        if state is not None and len(state) != len(self.blocks):
+            raise ValueError(f"state has {len(state)} entries but the model has {len(self.blocks)} blocks")
+        new_state = []
+        for i, block in enumerate(self.blocks):
+            x, block_state = block(x, state[i] if state is not None else None)
+            new_state.append(block_state)
+        return self.norm(x), new_state
+
+
+def sample_next(logits: Tensor, temperature: float = 1.0, top_k: Optional[int] = None, top_p: Optional[float] = None,
+                generator: Optional[torch.Generator] = None) -> Tensor:
+    """Sample token ids `[batch]` from logits `[batch, vocab]`; temperature 0 is greedy."""
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if temperature == 0:
+        return logits.argmax(-1)
+    logits = logits.float() / temperature
+    if top_k is not None:
+        if top_k < 1:
+            raise ValueError(f"top_k must be >= 1, got {top_k}")
+        kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None:
+        if not 0 < top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        drop = probs.cumsum(-1) - probs > top_p  # keep the smallest prefix whose mass reaches top_p
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    probs = logits.softmax(-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+class TitansLM(nn.Module):
+    """Language model over tokens for every variant: `TitansLM(TitansConfig(variant="mac", ...))`."""
+
+    def __init__(self, config: TitansConfig):
+        super().__init__()
+        if not isinstance(config, TitansConfig):
+            raise ValueError(f"config must be a TitansConfig, got {type(config).__name__}")
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.dim)
+        nn.init.normal_(self.embed.weight, std=0.02)
+        self.backbone = Backbone(config)
+        self.head = nn.Linear(config.dim, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.head.weight = self.embed.weight
+
+    def num_parameters(self) -> int:
+        return count_parameters(self)
+
+    def forward(self, tokens: Tensor, state: Optional[State] = None) -> tuple[Tensor, State]:
+        if tokens.dim() != 2 or tokens.dtype != torch.long:
+            raise ValueError(f"tokens must be a [batch, seq] long tensor, got {tuple(tokens.shape)} {tokens.dtype}")
+        if tokens.numel() and (tokens.min() < 0 or tokens.max() >= self.config.vocab_size):
+            raise ValueError(f"tokens must lie in [0, {self.config.vocab_size}), got [{tokens.min()}, {tokens.max()}]")
+        h, state = self.backbone(self.embed(tokens), state)
+        return self.head(h), state
+
+    def loss(self, tokens: Tensor, targets: Tensor, state: Optional[State] = None) -> Tensor:
+        """Mean cross-entropy over positions whose target is not -100."""
+        logits, _ = self(tokens, state)
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
+
+    @torch.no_grad()
+    def memorize(self, tokens: Tensor, state: Optional[State] = None) -> State:
+        """Read a document once; the returned state answers later queries without the document."""
+        return self(tokens, state)[1]
+
+    @torch.no_grad()
+    def generate(self, prompt: Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: Optional[int] = None,
+                 top_p: Optional[float] = None, state: Optional[State] = None,
+                 generator: Optional[torch.Generator] = None, return_state: bool = False
+                 ) -> Union[Tensor, tuple[Tensor, State]]:
+        """Continue `prompt` [batch, T] by `max_new_tokens`, one token at a time through the state."""
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        logits, state = self(prompt, state)
+        tokens = [prompt]
+        for _ in range(max_new_tokens):
+            next_token = sample_next(logits[:, -1], temperature, top_k, top_p, generator)[:, None]
+            tokens.append(next_token)
+            logits, state = self(next_token, state)
+        out = torch.cat(tokens, 1)
+        return (out, state) if return_state else out
+
+    def save_pretrained(self, directory: Union[str, Path]) -> None:
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "config.json").write_text(json.dumps(self.config.to_dict(), indent=2))
+        save_model(self, str(directory / "model.safetensors"))
+
+    @classmethod
+    def from_pretrained(cls, directory: Union[str, Path], device: str = "cpu") -> "TitansLM":
+        directory = Path(directory)
+        config_path, weights_path = directory / "config.json", directory / "model.safetensors"
+        for p in (config_path, weights_path):
+            if not p.is_file():
+                raise ValueError(f"{directory} is not a saved model: {p.name} is missing")
+        try:
+            config = TitansConfig.from_dict(json.loads(config_path.read_text()))
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{config_path} is not valid JSON: {err}") from None
+        model = cls(config)
+        try:
+            missing, unexpected = load_model(model, str(weights_path), strict=False, device=device)
+        except (SafetensorError, OSError, RuntimeError) as err:
+            raise ValueError(f"{weights_path} does not match the config: {str(err).splitlines()[0]}") from None
+        if missing or unexpected:
+            raise ValueError(f"{weights_path} does not match the config (missing {sorted(missing)[:3]}, "
+                             f"unexpected {sorted(unexpected)[:3]})")
+        return model

@@ -1,0 +1,44 @@
+"""MAL, memory as a layer (paper §4.3, eqs. 29-31).
+
+    x̃ = [p_1 .. p_Np ‖ x]
+    y = M(x̃)                    the long-term memory compresses the past
+    o = SW-Attn(norm(y))         sliding-window attention over the memory's output, prefix visible
+The RMSNorm between the two layers is ours (each sub-layer sees a normalised input, as pre-norm blocks do).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from torch import Tensor, nn
+
+from ..layers import KVCache, PersistentMemory, RMSNorm
+from ..memory import MemoryState
+from .common import build_memory, build_window_attention, with_prefix
+from .config import TitansConfig
+
+
+@dataclasses.dataclass
+class MALState:
+    attention: KVCache
+    memory: MemoryState
+
+
+class MALMixer(nn.Module):
+    def __init__(self, cfg: TitansConfig):
+        super().__init__()
+        self.persistent = PersistentMemory(cfg.n_persistent, cfg.dim) if cfg.n_persistent else None
+        self.memory = build_memory(cfg)
+        self.norm = RMSNorm(cfg.dim)
+        self.attention = build_window_attention(cfg)
+
+    def forward(self, x: Tensor, state: Optional[MALState] = None) -> tuple[Tensor, MALState]:
+        x_tilde, prefix = with_prefix(x, self.persistent, state)
+        y, memory_state = self.memory(x_tilde, state.memory if state else None)
+        o, attention_cache = self.attention(self.norm(y), state.attention if state else None, prefix_len=prefix)
+        return o[:, prefix:], MALState(attention_cache, memory_state)
+
+
+def build_mal_mixer(cfg: TitansConfig) -> MALMixer:
+    return MALMixer(cfg)
