@@ -13,12 +13,14 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         if head_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {head_dim}")
-        inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.head_dim, self.base = head_dim, base
 
     def forward(self, x: Tensor, positions: Tensor) -> Tensor:
         """x `[batch, heads, seq, head_dim]`, positions `[seq]` (absolute, integer)."""
-        angles = positions.to(torch.float64)[:, None] * self.inv_freq[None, :]
+        # Angles in float64 from scratch each call (no buffer a dtype cast could degrade), so the
+        # same position gets bit-identical rotations whatever the model's dtype history.
+        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float64, device=x.device) / self.head_dim
+        angles = positions.to(torch.float64)[:, None] * self.base ** (-exponents)[None, :]
         cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
         x1, x2 = x[..., 0::2], x[..., 1::2]
         rotated = torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
