@@ -5,3 +5,7 @@ from .lm import MIXERS, Backbone, TitansLM, sample_next
 from .state_io import load_state, save_state
 
 __all__ = ["VARIANTS", "TitansConfig", "MIXERS", "Backbone", "TitansLM", "sample_next", "load_state", "save_state"]
+
+from .encoder import ClassificationHead, ForecastHead, RegressionHead, TitansEncoder  # noqa: E402
+
+__all__ += ["ClassificationHead", "ForecastHead", "RegressionHead", "TitansEncoder"]
