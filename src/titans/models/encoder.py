@@ -21,21 +21,33 @@ from .lm import Backbone, State
 class TitansEncoder(nn.Module):
     def __init__(self, embed_dim: int, hidden_size: int = 64, memory_size: Optional[int] = None, num_layers: int = 2,
                  dropout: float = 0.0, momentum: bool = True, window_size: int = 32, variant: str = "mag",
-                 heads: int = 4, chunk_size: int = 8, **config_overrides):
+                 heads: int = 4, chunk_size: int = 8, config: Optional[TitansConfig] = None, **config_overrides):
+        """Either the encoder options above, or a full `config` (then hidden_size = config.dim)."""
         super().__init__()
         if embed_dim < 1:
             raise ValueError(f"embed_dim must be >= 1, got {embed_dim}")
+        if config is not None:
+            self.config = config
+            hidden_size = config.dim
+        else:
+            self.config = self._config_from_options(hidden_size, memory_size, num_layers, dropout, momentum,
+                                                    window_size, variant, heads, chunk_size, config_overrides)
+        self.embed_dim, self.hidden_size = embed_dim, hidden_size
+        self.input_proj = nn.Linear(embed_dim, hidden_size)
+        self.backbone = Backbone(self.config)
+
+    @staticmethod
+    def _config_from_options(hidden_size, memory_size, num_layers, dropout, momentum, window_size, variant, heads,
+                             chunk_size, config_overrides) -> TitansConfig:
+        config_overrides = dict(config_overrides)
         memory_heads = config_overrides.pop("memory_heads", None) or heads
         head_width = hidden_size // memory_heads if hidden_size % memory_heads == 0 else hidden_size
         expansion = max(1, (memory_size or 4 * head_width) // max(head_width, 1))
-        self.config = TitansConfig(
+        return TitansConfig(
             variant=variant, vocab_size=1, dim=hidden_size, depth=num_layers, heads=heads, window=window_size,
             segment_len=window_size, memory_expansion=expansion, memory_heads=memory_heads, momentum=momentum,
             dropout=dropout, chunk_size=chunk_size, tie_embeddings=False, **config_overrides,
         )
-        self.embed_dim, self.hidden_size = embed_dim, hidden_size
-        self.input_proj = nn.Linear(embed_dim, hidden_size)
-        self.backbone = Backbone(self.config)
 
     def hidden_states(self, x: Tensor, state: Optional[State] = None) -> tuple[Tensor, State]:
         if x.dim() != 3 or x.shape[-1] != self.embed_dim:
