@@ -214,3 +214,17 @@ def test_bad_chunk_size(chunk_size):
 def test_unknown_activation():
     with pytest.raises(ValueError, match="activation"):
         parallel_memory(*make_inputs(seq=7), activation="relu")
+
+
+def test_saturated_gates_keep_gradients_finite():
+    """α = 1 or η = 0 exactly (saturated sigmoids) must not turn the outer gradients into NaN."""
+    q, k, v, theta, eta, alpha, weights, momentum = make_inputs(seq=8, depth=2)
+    alpha = alpha.clone()
+    alpha[:, :, 3] = 1.0
+    eta = eta.clone()
+    eta[:, :, 5] = 0.0
+    alpha.requires_grad_()
+    eta.requires_grad_()
+    y, W, S = parallel_memory(q, k, v, theta, eta, alpha, weights, momentum, chunk_size=4)
+    grads = torch.autograd.grad(y.pow(2).sum() + W[0].sum(), [alpha, eta])
+    assert all(torch.isfinite(g).all() for g in grads)

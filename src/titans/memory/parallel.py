@@ -37,6 +37,16 @@ class Decays(NamedTuple):
     e: Tensor  # e_t = Π_{j≤t} η_j                                [..., n]
 
 
+def _safe_log(x: Tensor) -> Tensor:
+    """log x, floored at LOG_FLOOR, with a zero (not NaN) gradient where x is exactly 0.
+
+    A gate of exactly 0 or 1 (a sigmoid saturates at |logit| ≳ 17 in float32) would otherwise give
+    log 0 = −inf, and autograd's 0 · ∞ in the backward pass turns every gradient into NaN.
+    """
+    positive = x > 0
+    return torch.where(positive, torch.log(torch.where(positive, x, 1.0)), LOG_FLOOR).clamp_min(LOG_FLOOR)
+
+
 def _masked_exp_cumdiff(log_factors: Tensor) -> Tensor:
     """M[t,s] = exp(Σ_{s<j≤t} log f_j) for s ≤ t, else 0; masked BEFORE exp so nothing overflows."""
     cum = torch.cumsum(log_factors, dim=-1)
@@ -48,8 +58,8 @@ def _masked_exp_cumdiff(log_factors: Tensor) -> Tensor:
 
 def chunk_decays(eta: Tensor, alpha: Tensor) -> Decays:
     """Decay matrices of DESIGN.md §2 step 2, in log space; the chunk is the last dim of eta/alpha."""
-    log_keep = torch.log1p(-alpha).clamp_min(LOG_FLOOR)
-    log_eta = torch.log(eta).clamp_min(LOG_FLOOR)
+    log_keep = _safe_log(1.0 - alpha)
+    log_eta = _safe_log(eta)
     B = _masked_exp_cumdiff(log_keep)
     E = _masked_exp_cumdiff(log_eta)
     beta = torch.exp(torch.cumsum(log_keep, dim=-1))

@@ -27,7 +27,7 @@ class TitansConfig(Config):
     memory_expansion: int = 4  # hidden width of the memory MLP / head width (paper: 4)
     memory_heads: Optional[int] = None  # default: heads
     chunk_size: int = 16  # memory chunk b (paper: 16)
-    max_lr: float = 0.1  # θ_max, the bound on the inner learning rate
+    max_lr: float = 0.02  # θ_max; conservative: MAC diverged at 0.05 in our small CPU runs
     memory_activation: Literal["gelu", "silu"] = "gelu"  # paper: GELU
     momentum: bool = True  # η (past surprise); gated_deltanet always runs without
     gate_pooling: Literal["token", "chunk"] = "token"

@@ -137,11 +137,12 @@ class Trainer:
         self.optimizer = make_optimizer(self.model, cfg.optim)
         self.step = 0
         self.train_seconds = 0.0
+        self.skipped_steps = 0
 
     # --------------------------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
         return {"step": self.step, "optimizer": self.optimizer.state_dict(), "torch_rng": torch.get_rng_state(),
-                "train_seconds": self.train_seconds}
+                "train_seconds": self.train_seconds, "skipped_steps": self.skipped_steps}
 
     def save(self) -> None:
         if self.rank == 0:
@@ -158,6 +159,7 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["torch_rng"])
         self.step, self.train_seconds = state["step"], state.get("train_seconds", 0.0)
+        self.skipped_steps = state.get("skipped_steps", 0)
         self._truncate_metrics()
         return True
 
@@ -198,7 +200,12 @@ class Trainer:
             dist.all_reduce(summed)
             total = summed.item()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.optim.grad_clip or float("inf"))
-        self.optimizer.step()
+        if torch.isfinite(grad_norm):
+            self.optimizer.step()
+        else:
+            # A rare overflow in the backward pass through the inner recurrence: skip this update (as
+            # mixed-precision training does) instead of writing NaN into the weights; it is logged.
+            self.skipped_steps += 1
         self.last_grad_norm = float(grad_norm)
         self.last_lr = lr
         return total / global_count
@@ -229,6 +236,7 @@ class Trainer:
             bar.set_postfix(loss=f"{loss:.4f}")
             if self.step % cfg.log_every == 0 or self.step == cfg.steps:
                 self.log({"step": self.step, "loss": loss, "lr": self.last_lr, "grad_norm": self.last_grad_norm,
+                          "skipped_steps": self.skipped_steps,
                           "tokens_per_s": tokens_per_step / elapsed})
             if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < cfg.steps:
                 self.log({"step": self.step, "eval": self._evaluate([cfg.task.train_length])})
