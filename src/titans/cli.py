@@ -63,10 +63,11 @@ def train(
     quiet: bool = typer.Option(False, help="No progress bar."),
 ) -> None:
     """Train a model; checkpoints, metrics.jsonl and eval.json go to the run directory."""
-    from .train import load_train_config, setup_distributed
+    from .train import build_task, load_train_config, setup_distributed
     from .train import train as run_training
 
     cfg = load_train_config(config, overrides or [])
+    build_task(cfg)  # a bad task (e.g. a CSV without numeric columns) fails before anything is written
     run_dir = out or Path("runs") / cfg.run_name
     distributed = setup_distributed()
     import torch.distributed as dist

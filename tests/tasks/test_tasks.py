@@ -1,5 +1,7 @@
 """Task generators: shapes, labels at the right positions, seeds, lengths, bad options."""
 
+import dataclasses
+import math
 import re
 
 import pytest
@@ -8,8 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from titans.tasks import IGNORE_INDEX, TASKS, exact_match, get_task, measure_capacity, token_accuracy
-from titans.tasks.lm import file_split
+from titans.tasks.babilong import DROP_VERBS, MOVE_VERBS, TAKE_VERBS
+from titans.tasks.lm import corpus_bytes, file_split, split_files, stdlib_root
 
+# name -> (options, a length that fits them)
 TOKEN_TASKS = {
     "passkey": ({}, 64),
     "niah_passkey": ({}, 300),
@@ -28,124 +32,227 @@ def gen(seed=0):
     return torch.Generator().manual_seed(seed)
 
 
-def text(row):
-    return bytes(row.tolist()).decode()
+def text(tokens):
+    return bytes(tokens.tolist()).decode("ascii")
 
 
-def answer(inputs_row, targets_row):
-    scored = targets_row != IGNORE_INDEX
-    return targets_row[scored]
+def scored(targets_row):
+    """Positions and target tokens of the scored positions of one row."""
+    positions = (targets_row != IGNORE_INDEX).nonzero().flatten()
+    return positions.tolist(), targets_row[positions]
+
+
+def test_every_task_is_covered():
+    assert set(TOKEN_TASKS) | {"forecast_sine", "forecast_csv"} == set(TASKS)
 
 
 @pytest.mark.parametrize("name", sorted(TOKEN_TASKS))
-def test_shapes_seeds_and_vocab(name):
+def test_shapes_seeds_vocab_and_next_token_convention(name):
     options, length = TOKEN_TASKS[name]
     task = get_task(name, **options)
     a, b, c = (task.sample(4, length, gen(s)) for s in (1, 1, 2))
     assert a.inputs.shape == a.targets.shape == (4, length)
-    assert a.inputs.dtype == torch.long and a.targets.dtype == torch.long
+    assert a.inputs.dtype == a.targets.dtype == torch.long
     assert torch.equal(a.inputs, b.inputs) and torch.equal(a.targets, b.targets)
     assert not torch.equal(a.inputs, c.inputs)
     assert a.inputs.min() >= 0 and a.inputs.max() < task.vocab_size
-    scored = a.targets != IGNORE_INDEX
-    assert scored.any(1).all()
-    # next-token convention: every scored target is the following input token (MQAR, as in Zoology,
-    # keeps filler after each query key: the value is only a label)
-    if name != "mqar":
-        assert torch.equal(a.targets[:, :-1][scored[:, :-1]], a.inputs[:, 1:][scored[:, :-1]])
-    if name != "lm_bytes":  # language modelling also scores the byte after the window
-        assert not scored[:, -1].any()
+    mask = a.targets != IGNORE_INDEX
+    assert mask.any(1).all()
+    # targets[t] is the token at t + 1 wherever it is scored
+    assert torch.equal(a.targets[:, :-1][mask[:, :-1]], a.inputs[:, 1:][mask[:, :-1]])
+    if name != "lm_bytes":  # only language modelling scores the byte after the window
+        assert not mask[:, -1].any()
+
+
+@pytest.mark.parametrize("name", sorted(TOKEN_TASKS))
+@settings(max_examples=12, deadline=None)
+@given(extra=st.integers(0, 300))
+def test_lengths_are_respected_down_to_the_minimum(name, extra):
+    task = get_task(name, **TOKEN_TASKS[name][0])
+    length = task.min_length() + extra
+    batch = task.sample(2, length, gen(extra))
+    assert batch.inputs.shape == batch.targets.shape == (2, length)
+    assert (batch.targets != IGNORE_INDEX).any(1).all()
+    if task.min_length() > 1:
+        with pytest.raises(ValueError, match="length"):
+            task.sample(2, task.min_length() - 1, gen())
 
 
 def test_passkey_answer_is_the_needle_value():
     task = get_task("passkey", value_len=2)
     batch = task.sample(8, 50, gen())
     for row, target in zip(batch.inputs, batch.targets):
-        key_pos = (row == task.KEY).nonzero().item()
-        assert row[-3] == task.QUERY
-        assert torch.equal(answer(row, target), row[key_pos + 1 : key_pos + 3])
-        assert (target != IGNORE_INDEX).nonzero().flatten().tolist() == [47, 48]
+        (key_at,) = (row == task.KEY).nonzero().flatten().tolist()
+        assert (row == task.QUERY).nonzero().flatten().tolist() == [47]
+        positions, answer = scored(target)
+        assert positions == [47, 48]
+        assert torch.equal(answer, row[key_at + 1 : key_at + 3])
+        assert ((answer >= 2) & (answer < 2 + task.options.num_values)).all()
+        noise = torch.cat([row[:key_at], row[key_at + 3 : 47]])
+        assert (noise >= 2 + task.options.num_values).all()
 
 
-def test_passkey_depth_option():
-    task = get_task("passkey", depth=0.0)
-    assert (task.sample(4, 40, gen()).inputs[:, 0] == task.KEY).all()
+def test_passkey_depth():
+    for depth, key_at in [(0.0, 0), (1.0, 40 - 4), (0.5, 18)]:
+        batch = get_task("passkey", depth=depth).sample(3, 40, gen())
+        assert (batch.inputs[:, key_at] == 0).all()
+    depths = [(row == 0).nonzero().item() for row in get_task("passkey").sample(300, 40, gen()).inputs]
+    assert min(depths) == 0 and max(depths) == 36 and 14 < sum(depths) / len(depths) < 22  # uniform on 0..36
 
 
-@pytest.mark.parametrize("name", ["niah_passkey", "niah_number", "niah_word"])
-def test_niah_answer_matches_the_needle(name):
-    batch = get_task(name).sample(3, 500, gen(3))
-    for row, target in zip(batch.inputs, batch.targets):
-        body = text(row)
-        ans = bytes(answer(row, target).tolist()).decode()
-        assert body.endswith(ans)
-        if name == "niah_passkey":
-            assert f"The pass key is {ans}." in body and len(ans) == 5
-        else:
-            key = re.search(r"for (\w+)\? ", body).group(1)
-            assert f"for {key} is: {ans}." in body
+NIAH_PATTERNS = {
+    "niah_passkey": (r"The pass key is (\d+)\. Remember it\. \1 is the pass key\. ", r"What is the pass key\? "),
+    "niah_number": (r"One of the special magic numbers for (\w+) is: (\d+)\. ", r"for (\w+) mentioned"),
+    "niah_word": (r"One of the special magic words for (\w+) is: (\w+)\. ", r"for (\w+) mentioned"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(NIAH_PATTERNS))
+def test_niah_answer_is_the_inserted_needle(name):
+    needle, question = NIAH_PATTERNS[name]
+    task = get_task(name)
+    for length in (task.min_length(), 500, 1200):
+        batch = task.sample(3, length, gen(length))
+        for row, target in zip(batch.inputs, batch.targets):
+            body = text(row)
+            (found,) = re.findall(needle, body)  # exactly one needle
+            positions, answer = scored(target)
+            answer = text(answer)
+            assert positions == list(range(length - len(answer) - 1, length - 1))
+            assert body.endswith(" is " + answer)
+            if name == "niah_passkey":
+                assert found == answer and len(answer) == 7 and answer[0] != "0"
+            else:
+                assert found == (re.search(question, body).group(1), answer)
+
+
+@pytest.mark.parametrize("name", sorted(NIAH_PATTERNS))
+def test_niah_depth(name):
+    task_front, task_back = get_task(name, depth=0.0), get_task(name, depth=1.0)
+    front, back = text(task_front.sample(1, 600, gen()).inputs[0]), text(task_back.sample(1, 600, gen()).inputs[0])
+    needle = NIAH_PATTERNS[name][0]
+    assert re.match(needle, front)
+    assert re.search(needle + "What is", back)
+    starts = [re.search(needle, text(row)).start() for row in get_task(name).sample(40, 1000, gen()).inputs]
+    assert min(starts) < 250 and max(starts) > 500  # uniform depth spreads the needle out
 
 
 def test_mqar_targets_are_the_paired_values():
-    task = get_task("mqar", num_pairs=5)
+    task = get_task("mqar", num_pairs=5, vocab=40)
     batch = task.sample(6, 80, gen())
     for row, target in zip(batch.inputs, batch.targets):
-        pairs = dict(zip(row[0:10:2].tolist(), row[1:10:2].tolist()))
-        positions = (target != IGNORE_INDEX).nonzero().flatten().tolist()
-        assert len(positions) == 5 and min(positions) >= 10
-        for p in positions:
-            assert pairs[row[p].item()] == target[p].item()
+        keys, values = row[0:10:2], row[1:10:2]
+        assert len(set(keys.tolist())) == 5 and len(set(values.tolist())) == 5
+        assert ((keys >= 1) & (keys < 20)).all() and ((values >= 20) & (values < 40)).all()
+        positions, answers = scored(target)
+        assert len(positions) == 5 and all(p >= 10 and p % 2 == 0 for p in positions)
+        assert sorted(row[positions].tolist()) == sorted(keys.tolist())  # every key asked once
+        pairs = dict(zip(keys.tolist(), values.tolist()))
+        assert [pairs[k] for k in row[positions].tolist()] == answers.tolist()
+        outside = torch.ones(80, dtype=torch.bool)
+        outside[:10] = False
+        outside[positions] = False
+        outside[[p + 1 for p in positions]] = False
+        assert (row[outside] == task.FILLER).all()
 
 
-def test_mqar_power_law_favours_short_gaps():
-    task = get_task("mqar", num_pairs=4, power_a=0.01)
-    batch = task.sample(200, 512, gen())
-    positions = (batch.targets != IGNORE_INDEX).nonzero()[:, 1].float() - 8
-    assert positions.median() < 100  # most queries near the pairs, a long tail far away
-    assert positions.max() > 300
+@pytest.mark.parametrize("power_a", [0.01, 0.5, 1.0])
+def test_mqar_query_slots_follow_the_power_law(power_a):
+    # one pair: the query's slot s (1-based, from the end of the pair) has P(s) ∝ s^(power_a - 1)
+    batch = get_task("mqar", num_pairs=1, vocab=8, power_a=power_a).sample(6000, 2 + 2 * 8, gen())
+    slots = ((batch.targets != IGNORE_INDEX).nonzero()[:, 1] - 2) // 2
+    observed = torch.bincount(slots, minlength=8).double() / 6000
+    expected = torch.arange(1, 9, dtype=torch.float64) ** (power_a - 1)
+    expected /= expected.sum()
+    assert (observed - expected).abs().max() < 0.025
+
+
+def test_mqar_which_pair_is_asked_first_is_uniform():
+    batch = get_task("mqar", num_pairs=4, vocab=64).sample(2000, 64, gen())
+    first = torch.stack([row[(target != IGNORE_INDEX).nonzero()[0, 0]] for row, target in
+                         zip(batch.inputs, batch.targets)])
+    pair_index = (batch.inputs[:, 0:8:2] == first[:, None]).float().argmax(1)
+    assert (torch.bincount(pair_index, minlength=4) / 2000 - 0.25).abs().max() < 0.04
+
+
+def simulate_babi(body: str) -> dict[str, str]:
+    """Where every person and touched object is at the end of a story, read off the text."""
+    verbs = "|".join(MOVE_VERBS + TAKE_VERBS + DROP_VERBS)
+    where, held_by, lies_in = {}, {}, {}
+    for person, verb, thing in re.findall(rf"(Mary|John|Sandra|Daniel) ({verbs}) the (\w+)\. ", body):
+        if verb in MOVE_VERBS:
+            where[person] = thing
+        elif verb in TAKE_VERBS:
+            held_by[thing] = person
+            lies_in.pop(thing, None)
+        else:
+            del held_by[thing]
+            lies_in[thing] = where[person]
+    return {**where, **lies_in, **{thing: where[person] for thing, person in held_by.items()}}
 
 
 @pytest.mark.parametrize("qa", [1, 2])
 def test_babilong_answer_follows_the_facts(qa):
-    batch = get_task("babilong", qa=qa, num_facts=5).sample(4, 900, gen(qa))
-    for row, target in zip(batch.inputs, batch.targets):
-        body = text(row)
-        ans = bytes(answer(row, target).tolist()).decode()
-        assert ans in {"kitchen", "garden", "office", "bathroom", "hallway", "bedroom"}
-        if qa == 1:
-            person = re.search(r"Where is (\w+)\?", body).group(1)
-            assert re.findall(rf"{person} went to the (\w+)\.", body)[-1] == ans
+    task = get_task("babilong", qa=qa, num_facts=8)
+    for length in (task.min_length(), 2000):
+        batch = task.sample(6, length, gen(qa))
+        for row, target in zip(batch.inputs, batch.targets):
+            body = text(row)
+            positions, answer = scored(target)
+            answer = text(answer)
+            assert positions == list(range(length - len(answer) - 1, length - 1))
+            subject = re.search(r"Where is (?:the )?(\w+)\? Answer: (\w+)$", body)
+            assert subject.group(2) == answer
+            assert simulate_babi(body)[subject.group(1)] == answer
+            facts = len(re.findall(r"(Mary|John|Sandra|Daniel) ", body))
+            assert facts >= 8 + (4 if qa == 2 else 0)
 
 
 @pytest.mark.parametrize("name", ["copy", "selective_copy"])
 def test_copy_targets_are_the_data_in_order(name):
     task = get_task(name, num_tokens=5)
-    batch = task.sample(4, 30, gen())
+    batch = task.sample(50, 30, gen())
     for row, target in zip(batch.inputs, batch.targets):
-        data = row[:24][row[:24] > 1]
-        assert row[24] == task.DELIM
-        assert torch.equal(answer(row, target), data)
+        region = row[:24]
+        data = region[region != task.BLANK]
+        assert row[24] == task.DELIM and len(data) == 5 and (data > task.DELIM).all()
+        positions, answer = scored(target)
+        assert positions == [24, 25, 26, 27, 28] and torch.equal(answer, data)
+        if name == "copy":
+            assert torch.equal(region[:5], data)
+    if name == "selective_copy":  # positions are scattered, not always at the front
+        assert (batch.inputs[:, :5] == task.BLANK).any()
 
 
-def test_capacity_and_its_measurement():
+def test_capacity_layout():
     task = get_task("capacity", num_pairs=6)
-    batch = task.sample(2, 60, gen())
+    batch = task.sample(3, 60, gen())
     for row, target in zip(batch.inputs, batch.targets):
         pairs = dict(zip(row[0:12:2].tolist(), row[1:12:2].tolist()))
-        for p in (target != IGNORE_INDEX).nonzero().flatten().tolist():
-            assert pairs[row[p].item()] == target[p].item()
+        assert len(pairs) == 6 and row[60 - 13] == task.SEP and (row[12:47] == task.FILLER).all()
+        positions, answers = scored(target)
+        assert positions == list(range(48, 60, 2))
+        assert sorted(row[positions].tolist()) == sorted(pairs)
+        assert [pairs[k] for k in row[positions].tolist()] == answers.tolist()
 
-    def oracle(inputs):  # perfect recall up to 8 pairs, nothing beyond
-        preds = torch.zeros_like(inputs)
-        for b, row in enumerate(inputs):
-            sep = (row == 1).nonzero().flatten()[-1].item()  # SEP, then 2n query tokens
-            n = (len(row) - 1 - sep) // 2
-            if n <= 8:
-                pairs = dict(zip(row[0 : 2 * n : 2].tolist(), row[1 : 2 * n : 2].tolist()))
+
+def test_measure_capacity_finds_the_largest_recalled_count():
+    def recall_up_to(limit):
+        def predict(inputs):  # an oracle that remembers the first `limit` pairs and guesses 0 for others
+            preds = torch.zeros_like(inputs)
+            for b, row in enumerate(inputs):
+                pairs = dict(zip(row[0 : 2 * limit : 2].tolist(), row[1 : 2 * limit : 2].tolist()))
                 preds[b] = torch.tensor([pairs.get(t, 0) for t in row.tolist()])
-        return preds
+            return preds
+        return predict
 
-    assert measure_capacity(oracle, [2, 4, 8, 16], length=80) == 8
+    result = measure_capacity(recall_up_to(8), [16, 4, 8, 2], gap=5)
+    assert result.capacity == 8
+    assert result.accuracy == {2: 1.0, 4: 1.0, 8: 1.0, 16: 0.5}
+    assert measure_capacity(recall_up_to(8), [16], threshold=0.5).capacity == 16
+    assert measure_capacity(recall_up_to(8), [16]).capacity == 0
+    with pytest.raises(ValueError, match="pair_counts"):
+        measure_capacity(recall_up_to(8), [])
 
 
 def test_metrics():
@@ -153,71 +260,128 @@ def test_metrics():
     preds = torch.tensor([[9, 3, 0], [9, 1, 9]])
     assert exact_match(preds, targets).tolist() == [0.0, 1.0]
     assert token_accuracy(preds, targets).item() == pytest.approx(2 / 3)
-
-
-@settings(max_examples=20, deadline=None)
-@given(length=st.integers(5, 300))
-def test_lengths_are_respected(length):
-    for name in ("passkey", "mqar", "copy", "selective_copy"):
-        task = get_task(name, **({"num_pairs": 1} if name == "mqar" else {}))
-        if name in ("copy", "selective_copy"):
-            task = get_task(name, num_tokens=2)
-        assert task.sample(2, length, gen()).inputs.shape == (2, length)
+    logits = torch.nn.functional.one_hot(preds, 10).double()
+    assert exact_match(logits, targets).tolist() == [0.0, 1.0]
+    assert token_accuracy(logits, targets).item() == pytest.approx(2 / 3)
+    with pytest.raises(ValueError, match="logits_or_preds"):
+        exact_match(preds[:, :2], targets)
 
 
 def test_sine_forecasting():
-    task = get_task("forecast_sine", num_features=3)
-    a, b = task.sample(2, 40, gen()), task.sample(2, 40, gen())
-    assert a.inputs.shape == a.targets.shape == (2, 40, 3)
-    assert torch.equal(a.inputs, b.inputs)
+    task = get_task("forecast_sine", num_features=3, num_components=2, noise=0.0)
+    a, b = task.sample(5, 40, gen()), task.sample(5, 40, gen())
+    assert a.inputs.shape == a.targets.shape == (5, 40, 3) and a.inputs.dtype == torch.float32
+    assert torch.equal(a.inputs, b.inputs) and not torch.equal(a.inputs, task.sample(5, 40, gen(1)).inputs)
     assert torch.equal(a.inputs[:, 1:], a.targets[:, :-1])  # targets are the next step
+    assert a.inputs.abs().max() <= 2 * 1.5 / math.sqrt(2)  # amplitudes in [0.5, 1.5]
+    # noise is drawn last, so the same seed with noise > 0 is the clean series plus N(0, noise^2)
+    noisy = get_task("forecast_sine", num_features=3, num_components=2, noise=0.5).sample(5, 40, gen())
+    assert (noisy.inputs - a.inputs).std().item() == pytest.approx(0.5, rel=0.1)
+
+
+def write_ett(path, rows=200):
+    lines = ["date,HUFL,OT,note"] + [f"2020-01-01 {i:04d},{i * 0.5},{(i % 7) * 1.0},x" for i in range(rows)]
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
 
 
 def test_csv_forecasting(tmp_path):
-    path = tmp_path / "ett.csv"
-    rows = ["date,HUFL,OT,note"] + [f"2020-01-01 {i:04d},{i * 0.5},{(i % 7) * 1.0},x" for i in range(200)]
-    path.write_text("\n".join(rows))
-    train = get_task("forecast_csv", path=str(path))
-    assert train.num_features == 2 and len(train.data) == 140
-    assert train.data.mean(0).abs().max() < 1e-4  # standardised with train statistics
+    path = write_ett(tmp_path / "ett.csv")
+    train = get_task("forecast_csv", path=path)
+    assert train.columns == ["HUFL", "OT"] and train.num_features == 2 and len(train.data) == 140
+    raw = torch.tensor([[i * 0.5, (i % 7) * 1.0] for i in range(200)], dtype=torch.float64)
+    mean, std = raw[:140].mean(0), raw[:140].std(0)
+    torch.testing.assert_close(train.data, ((raw[:140] - mean) / std).float())
+    val = get_task("forecast_csv", path=path, split="val")
+    torch.testing.assert_close(val.data, ((raw[140:160] - mean) / std).float())  # train statistics
     batch = train.sample(3, 20, gen())
-    assert batch.inputs.shape == (3, 20, 2) and torch.equal(batch.inputs[:, 1:], batch.targets[:, :-1])
-    test = get_task("forecast_csv", path=str(path), split="test", columns=["OT"])
+    assert batch.inputs.shape == batch.targets.shape == (3, 20, 2)
+    assert torch.equal(batch.inputs[:, 1:], batch.targets[:, :-1])
+    for window in batch.inputs:  # a contiguous window of the split
+        start = (train.data[:, 0] == window[0, 0]).nonzero().item()
+        assert torch.equal(window, train.data[start : start + 20])
+    test = get_task("forecast_csv", path=path, split="test", columns=["OT"])
     assert test.num_features == 1 and len(test.data) == 40
+    with pytest.raises(ValueError, match="length"):
+        test.sample(1, 40, gen())
 
 
 def test_csv_errors(tmp_path):
     no_numbers = tmp_path / "words.csv"
     no_numbers.write_text("date,name\n2020,a\n2021,b\n")
-    with pytest.raises(ValueError, match="no numeric columns"):
+    with pytest.raises(ValueError, match=r"words\.csv has no numeric columns"):
         get_task("forecast_csv", path=str(no_numbers))
-    with pytest.raises(ValueError, match="does not exist"):
+    with pytest.raises(ValueError, match=r"missing\.csv does not exist"):
         get_task("forecast_csv", path=str(tmp_path / "missing.csv"))
     short = tmp_path / "short.csv"
-    short.write_text("date,v\n2020,1\n2021,2\n")
-    with pytest.raises(ValueError, match="too short"):
+    short.write_text("date,v\n2020,1\n2021,2\n2022,3\n")
+    with pytest.raises(ValueError, match=r"short\.csv is too short"):
         get_task("forecast_csv", path=str(short))
+    empty = tmp_path / "empty.csv"
+    empty.write_text("")
+    with pytest.raises(ValueError, match=r"empty\.csv has no data rows"):
+        get_task("forecast_csv", path=str(empty))
+    path = write_ett(tmp_path / "ett.csv")
+    with pytest.raises(ValueError, match="has no column"):
+        get_task("forecast_csv", path=path, columns=["OT", "load"])
+    with pytest.raises(ValueError, match="not numeric"):
+        get_task("forecast_csv", path=path, columns=["note"])
+    with pytest.raises(ValueError, match="path"):
+        get_task("forecast_csv")
 
 
-def test_lm_bytes_splits_are_disjoint_by_file():
-    names = [f"pkg/mod{i}.py" for i in range(400)]
-    splits = [file_split(n, 0.1) for n in names]
-    assert 10 < splits.count("val") < 80
-    train, val = get_task("lm_bytes"), get_task("lm_bytes", split="val")
-    assert len(train.data) > 5 * len(val.data) > 0
-    sample = train.sample(2, 64, gen())
-    assert torch.equal(sample.targets[:, :-1], sample.inputs[:, 1:])
+def test_lm_bytes_splits_by_file(tmp_path):
+    files = {f"pkg{i % 3}/mod{i}.py": f"# module {i}\n" * (i + 1) for i in range(60)}
+    for name, body in files.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(body)
+    (tmp_path / "notes.txt").write_text("not matched by the pattern")
+    train, val = (split_files(str(tmp_path), "*.py", s, 0.2) for s in ("train", "val"))
+    names = lambda paths: {p.relative_to(tmp_path).as_posix() for p in paths}  # noqa: E731
+    assert names(train).isdisjoint(names(val)) and names(train) | names(val) == set(files)
+    assert 3 <= len(val) <= 25
+    assert all(file_split(n, 0.2) == "val" for n in names(val))
+    task = get_task("lm_bytes", root=str(tmp_path), split="val", val_fraction=0.2)
+    assert bytes(task.data.tolist()) == b"".join(p.read_bytes() + b"\n" for p in val)
+    batch = task.sample(4, 16, gen())
+    assert torch.equal(batch.targets[:, :-1], batch.inputs[:, 1:])
+    corpus = bytes(task.data.tolist())
+    for row, target in zip(batch.inputs, batch.targets):  # each row + its last target is a corpus window
+        assert bytes(row.tolist() + target[-1:].tolist()) in corpus
+
+
+def test_lm_bytes_default_corpus_is_the_stdlib():
+    root = stdlib_root()
+    train, val = (split_files(root, "*.py", s, 0.1) for s in ("train", "val"))
+    assert len(val) > 20 and len(train) > 5 * len(val) and set(train).isdisjoint(val)
+    assert len(get_task("lm_bytes").data) > 5 * len(get_task("lm_bytes", split="val").data)
+    assert corpus_bytes.cache_info().currsize >= 2  # read once per split, then cached
 
 
 @pytest.mark.parametrize(
     "name, options, field",
     [
         ("passkey", {"num_values": 1}, "num_values"),
+        ("passkey", {"vocab": 10, "num_values": 8}, "vocab"),
         ("passkey", {"depth": 2.0}, "depth"),
+        ("passkey", {"value_len": 0}, "value_len"),
+        ("niah_word", {"depth": -0.1}, "depth"),
+        ("niah_passkey", {"digits": 0}, "digits"),
         ("mqar", {"num_pairs": 0}, "num_pairs"),
+        ("mqar", {"vocab": 16, "num_pairs": 8}, "vocab"),
+        ("mqar", {"power_a": 0.0}, "power_a"),
+        ("capacity", {"vocab": 20, "num_pairs": 10}, "vocab"),
         ("babilong", {"qa": 3}, "qa"),
-        ("passkey", {"colour": "red"}, "colour"),
+        ("babilong", {"num_facts": 0}, "num_facts"),
         ("copy", {"vocab": "big"}, "vocab"),
+        ("selective_copy", {"num_tokens": 0}, "num_tokens"),
+        ("forecast_sine", {"noise": -1.0}, "noise"),
+        ("forecast_sine", {"num_features": 0}, "num_features"),
+        ("forecast_sine", {"min_period": 1.0}, "min_period"),
+        ("lm_bytes", {"split": "test"}, "split"),
+        ("lm_bytes", {"root": "/no/such/dir"}, "root"),
+        ("lm_bytes", {"val_fraction": 1.0}, "val_fraction"),
+        ("passkey", {"colour": "red"}, "colour"),
     ],
 )
 def test_bad_options_name_the_field(name, options, field):
@@ -225,9 +389,17 @@ def test_bad_options_name_the_field(name, options, field):
         get_task(name, **options)
 
 
-def test_unknown_task_and_short_length():
-    with pytest.raises(ValueError, match="unknown task"):
+def test_bad_names_and_arguments():
+    with pytest.raises(ValueError, match="unknown task 'sudoku'.*mqar.*passkey"):
         get_task("sudoku")
+    task = get_task("passkey")
     with pytest.raises(ValueError, match="length"):
-        get_task("passkey").sample(1, 3, gen())
-    assert set(TOKEN_TASKS) | {"forecast_sine", "forecast_csv"} == set(TASKS)
+        task.sample(1, 3, gen())
+    with pytest.raises(ValueError, match="length"):
+        task.sample(1, 64.0, gen())
+    with pytest.raises(ValueError, match="batch_size"):
+        task.sample(0, 64, gen())
+    with pytest.raises(ValueError, match="generator"):
+        task.sample(1, 64, 0)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        task.options.vocab = 10

@@ -77,7 +77,9 @@ def test_training_is_deterministic_and_learns(tmp_path):
 def test_resume_after_sigkill_gives_identical_weights(tmp_path):
     config = write_tiny(tmp_path, steps=40, checkpoint_every=4)
     cli = [sys.executable, "-m", "titans.cli", "train", str(config), "--quiet"]
-    subprocess.run(cli + ["--out", str(tmp_path / "straight")], check=True, capture_output=True, timeout=300)
+    straight_run = subprocess.run(cli + ["--out", str(tmp_path / "straight")], capture_output=True, text=True,
+                                  timeout=300)
+    assert straight_run.returncode == 0, straight_run.stderr[-2000:]
 
     killed = tmp_path / "killed"
     proc = subprocess.Popen(cli + ["--out", str(killed)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -158,7 +160,8 @@ def one_line_error(result) -> str:
     return lines[0]
 
 
-def test_cli_bad_inputs(tmp_path):
+def test_cli_bad_inputs(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # default run directories land here
     assert "does not exist" in one_line_error(runner.invoke(app, ["train", str(tmp_path / "none.yaml")]))
     bad_yaml = tmp_path / "bad.yaml"
     bad_yaml.write_text("model: [unclosed")
@@ -171,6 +174,7 @@ def test_cli_bad_inputs(tmp_path):
     msg = one_line_error(runner.invoke(app, ["train", str(config), "task.name=forecast_csv",
                                              f"task.options={{path: {csv}}}", "model.vocab_size=1"]))
     assert "no numeric columns" in msg
+    assert not (tmp_path / "runs").exists()  # nothing was written for a bad config
     assert "neither a checkpoint" in one_line_error(runner.invoke(app, ["eval", str(tmp_path)]))
 
 

@@ -1,9 +1,14 @@
-"""Tasks: generated (seeded) or read from local files; nothing is downloaded."""
+"""Tasks: generated (seeded) or read from local files; nothing is downloaded.
 
-from . import babilong, copying, forecast, lm, needle, recall  # noqa: F401  (register the tasks)
-from .base import IGNORE_INDEX, TASKS, SeriesBatch, Task, TokenBatch, exact_match, get_task, token_accuracy
+`get_task(name, **options)` builds any task in `TASKS`; `task.sample(batch_size, length, generator)`
+returns a `TokenBatch` or `SeriesBatch` of exactly `length` positions.
+"""
+
+from . import babilong, copying, forecast, lm, needle, recall  # noqa: F401  (importing registers the tasks)
+from .base import (IGNORE_INDEX, TASKS, SeriesBatch, Task, TaskOptions, TokenBatch, exact_match, get_task,
+                   token_accuracy)
 from .lm import bits_per_byte
-from .recall import measure_capacity
+from .recall import CapacityResult, measure_capacity
 
-__all__ = ["IGNORE_INDEX", "TASKS", "SeriesBatch", "Task", "TokenBatch", "exact_match", "get_task",
-           "token_accuracy", "bits_per_byte", "measure_capacity"]
+__all__ = ["IGNORE_INDEX", "TASKS", "CapacityResult", "SeriesBatch", "Task", "TaskOptions", "TokenBatch",
+           "bits_per_byte", "exact_match", "get_task", "measure_capacity", "token_accuracy"]

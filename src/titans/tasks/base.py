@@ -1,14 +1,15 @@
-"""What every task shares: batch types, the loss mask convention, metrics and the registry.
+"""What every task shares: batch types, the loss mask convention, metrics, sampling helpers, the registry.
 
 Token tasks follow the next-token convention: `targets[b, t]` is what the model must output at
 position t (the token that comes at t + 1), or IGNORE_INDEX (-100) where nothing is scored.
-Each task is built from a strict `Config` of its options, so a typo in a YAML file is an error.
+Each task is built from a strict options dataclass, so a typo in a YAML file is an error, and the
+options are read-only once built, so a task never changes under a running sampler.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar, NamedTuple, Optional
+from typing import Any, ClassVar, NamedTuple, Optional, Union
 
 import torch
 from torch import Tensor
@@ -19,52 +20,106 @@ IGNORE_INDEX = -100
 
 
 class TokenBatch(NamedTuple):
-    inputs: Tensor  # [batch, seq] long
-    targets: Tensor  # [batch, seq] long, IGNORE_INDEX where no loss
+    """A batch of a token task: `inputs` [B, T] long, `targets` [B, T] long (IGNORE_INDEX where unscored)."""
+
+    inputs: Tensor
+    targets: Tensor
 
 
 class SeriesBatch(NamedTuple):
-    inputs: Tensor  # [batch, seq, features] float
-    targets: Tensor  # [batch, seq, features] float: the next step of every position
+    """A batch of a series task: `inputs` [B, T, F] float, `targets` [B, T, F] float (the next step of each position)."""
+
+    inputs: Tensor
+    targets: Tensor
 
 
-def predictions(logits_or_preds: Tensor) -> Tensor:
-    return logits_or_preds.argmax(-1) if logits_or_preds.is_floating_point() else logits_or_preds
+Batch = Union[TokenBatch, SeriesBatch]
+
+
+def _predictions(logits_or_preds: Tensor, targets: Tensor) -> Tensor:
+    preds = logits_or_preds.argmax(-1) if logits_or_preds.is_floating_point() else logits_or_preds
+    if preds.shape != targets.shape:
+        raise ValueError(f"logits_or_preds has shape {tuple(logits_or_preds.shape)}, which does not match "
+                         f"targets {tuple(targets.shape)} (expected [B, T] predictions or [B, T, V] logits)")
+    return preds
 
 
 def exact_match(logits_or_preds: Tensor, targets: Tensor) -> Tensor:
-    """[batch] 1.0 where every scored position of the row is right (rows with none score 1)."""
+    """[B] float: 1.0 where every scored position of the row is predicted right (a row with none scores 1)."""
     scored = targets != IGNORE_INDEX
-    right = (predictions(logits_or_preds) == targets) | ~scored
+    right = (_predictions(logits_or_preds, targets) == targets) | ~scored
     return right.all(-1).float()
 
 
 def token_accuracy(logits_or_preds: Tensor, targets: Tensor) -> Tensor:
-    """Fraction of scored positions predicted right (a scalar)."""
+    """Scalar float: the fraction of scored positions predicted right (0 when nothing is scored)."""
     scored = targets != IGNORE_INDEX
-    right = (predictions(logits_or_preds) == targets) & scored
+    right = (_predictions(logits_or_preds, targets) == targets) & scored
     return right.sum().float() / scored.sum().clamp_min(1)
 
 
+def answer_targets(inputs: Tensor, answer_len: int) -> Tensor:
+    """Targets that score only the last `answer_len` tokens: targets[t] = inputs[t + 1] for t in
+    [T - answer_len - 1, T - 1), IGNORE_INDEX elsewhere (the answer is read off after its prompt)."""
+    targets = torch.full_like(inputs, IGNORE_INDEX)
+    length = inputs.shape[-1]
+    targets[..., length - answer_len - 1 : length - 1] = inputs[..., length - answer_len :]
+    return targets
+
+
+def distinct_tokens(low: int, high: int, batch_size: int, count: int, generator: torch.Generator) -> Tensor:
+    """[batch_size, count] tokens drawn from [low, high) without replacement within each row."""
+    return torch.rand(batch_size, high - low, generator=generator).argsort(-1)[:, :count] + low
+
+
+def random_windows(data: Tensor, batch_size: int, width: int, generator: torch.Generator) -> Tensor:
+    """[batch_size, width, ...] windows of `data` (first dim is time) at uniform random offsets."""
+    starts = torch.randint(0, len(data) - width + 1, (batch_size, 1), generator=generator)
+    return data[starts + torch.arange(width)]
+
+
+@dataclasses.dataclass
+class TaskOptions(Config):
+    """Base of every task's options: strict loading from `Config`, read-only after construction."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in self.__dict__:
+            raise dataclasses.FrozenInstanceError(f"cannot assign to field {name!r}: task options are read-only")
+        super().__setattr__(name, value)
+
+
 class Task:
-    """Base class: `sample(batch_size, length, generator)` returns a batch of exactly `length` positions."""
+    """Base class: `sample(batch_size, length, generator)` returns a batch of exactly `length` positions.
+
+    Subclasses set `name`, `Options`, `vocab_size` (token tasks) or `num_features` (series tasks),
+    `min_length()` (the shortest sequence that holds the task's content) and `_generate`.
+    """
 
     name: ClassVar[str]
-    Options: ClassVar[type[Config]]
-    vocab_size: Optional[int] = None  # token tasks
-    num_features: Optional[int] = None  # series tasks
+    Options: ClassVar[type[TaskOptions]]
+    vocab_size: Optional[int] = None
+    num_features: Optional[int] = None
 
-    def __init__(self, options: Config):
+    def __init__(self, options: TaskOptions):
         self.options = options
 
     def min_length(self) -> int:
         return 1
 
-    def check_length(self, length: int) -> None:
-        if not isinstance(length, int) or length < self.min_length():
-            raise ValueError(f"length must be an integer >= {self.min_length()} for task {self.name}, got {length!r}")
+    def sample(self, batch_size: int, length: int, generator: torch.Generator) -> Batch:
+        """A batch of `batch_size` sequences of exactly `length` positions; the same generator state
+        gives the same batch."""
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+        minimum = self.min_length()
+        if isinstance(length, bool) or not isinstance(length, int) or length < minimum:
+            raise ValueError(f"length must be an integer >= {minimum} for task {self.name} "
+                             f"with its options, got {length!r}")
+        if not isinstance(generator, torch.Generator):
+            raise ValueError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+        return self._generate(batch_size, length, generator)
 
-    def sample(self, batch_size: int, length: int, generator: torch.Generator):
+    def _generate(self, batch_size: int, length: int, generator: torch.Generator) -> Batch:
         raise NotImplementedError
 
 
@@ -72,21 +127,16 @@ TASKS: dict[str, type[Task]] = {}
 
 
 def register(cls: type[Task]) -> type[Task]:
+    """Class decorator: make the task available to `get_task` under `cls.name`."""
+    if cls.name in TASKS:
+        raise ValueError(f"task name {cls.name!r} is registered twice")
     TASKS[cls.name] = cls
     return cls
 
 
 def get_task(name: str, **options: Any) -> Task:
-    """Build a task by registry name with its options (unknown names/options raise ValueError)."""
+    """Build a task by registry name; an unknown name or option, or a bad value, raises ValueError."""
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r}; valid tasks: {', '.join(sorted(TASKS))}")
     cls = TASKS[name]
     return cls(cls.Options.from_dict(options, _path=f"task {name}"))
-
-
-def randint(low: int, high: int, shape, generator: torch.Generator) -> Tensor:
-    return torch.randint(low, high, shape, generator=generator)
-
-
-def option_fields(cls: type[Task]) -> list[str]:
-    return [f.name for f in dataclasses.fields(cls.Options)]

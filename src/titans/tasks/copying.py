@@ -1,4 +1,10 @@
-"""Copy and selective copy (Gu & Dao 2023): reproduce data tokens, in order, after a delimiter."""
+"""Copy and selective copy (Gu & Dao 2023, "Mamba", section 3.1): reproduce the data tokens, in
+order, after a delimiter.
+
+Layout of a sequence of length T with n data tokens: a data region of T - n - 1 positions (data
+tokens among BLANKs), DELIM, then the n data tokens again (teacher forcing). Scored: DELIM and the
+first n - 1 answer positions, whose targets are the n data tokens.
+"""
 
 from __future__ import annotations
 
@@ -6,18 +12,17 @@ import dataclasses
 
 import torch
 
-from ..config import Config
-from .base import IGNORE_INDEX, Task, TokenBatch, register
+from .base import Task, TaskOptions, TokenBatch, answer_targets, register
 
 
 @dataclasses.dataclass
-class CopyOptions(Config):
-    vocab: int = 16  # includes BLANK (0) and DELIM (1)
+class CopyOptions(TaskOptions):
+    vocab: int = 16  # BLANK (0), DELIM (1), data tokens 2 .. vocab - 1
     num_tokens: int = 8  # data tokens to copy
 
     def validate(self) -> None:
         if self.vocab < 3:
-            raise ValueError(f"vocab must be >= 3, got {self.vocab}")
+            raise ValueError(f"vocab must be >= 3 (BLANK, DELIM and a data token), got {self.vocab}")
         if self.num_tokens < 1:
             raise ValueError(f"num_tokens must be >= 1, got {self.num_tokens}")
 
@@ -33,39 +38,37 @@ class _Copying(Task):
     def min_length(self) -> int:
         return 2 * self.options.num_tokens + 1
 
-    def positions(self, room: int, n: int, generator: torch.Generator) -> torch.Tensor:
+    def data_positions(self, batch_size: int, region: int, generator: torch.Generator) -> torch.Tensor:
+        """[batch_size, num_tokens] increasing positions of the data tokens in the data region."""
         raise NotImplementedError
 
-    def sample(self, batch_size: int, length: int, generator: torch.Generator) -> TokenBatch:
-        self.check_length(length)
+    def _generate(self, batch_size: int, length: int, generator: torch.Generator) -> TokenBatch:
         n = self.options.num_tokens
-        room = length - n - 1  # data region; then DELIM and n answer slots
-        inputs = torch.full((batch_size, length), self.BLANK, dtype=torch.long)
+        region = length - n - 1
         data = torch.randint(2, self.vocab_size, (batch_size, n), generator=generator)
-        for b in range(batch_size):
-            inputs[b, self.positions(room, n, generator)] = data[b]
-        inputs[:, room] = self.DELIM
-        inputs[:, room + 1 :] = data  # teacher forcing: answer tokens are the next inputs
-        targets = torch.full_like(inputs, IGNORE_INDEX)
-        targets[:, room : length - 1] = data
-        return TokenBatch(inputs, targets)
+        inputs = torch.full((batch_size, length), self.BLANK, dtype=torch.long)
+        inputs.scatter_(1, self.data_positions(batch_size, region, generator), data)
+        inputs[:, region] = self.DELIM
+        inputs[:, region + 1 :] = data
+        return TokenBatch(inputs, answer_targets(inputs, n))
 
 
 @register
 class Copy(_Copying):
-    """Data tokens at the start of the data region, blanks after them."""
+    """Data tokens at the start of the data region, BLANKs after them: memorise a block, wait, recite."""
 
     name = "copy"
 
-    def positions(self, room, n, generator):
-        return torch.arange(n)
+    def data_positions(self, batch_size: int, region: int, generator: torch.Generator) -> torch.Tensor:
+        return torch.arange(self.options.num_tokens).expand(batch_size, -1)
 
 
 @register
 class SelectiveCopy(_Copying):
-    """Data tokens scattered at random positions among blanks: the model must select them."""
+    """Data tokens at random positions among BLANKs: the model must select what to keep."""
 
     name = "selective_copy"
 
-    def positions(self, room, n, generator):
-        return torch.randperm(room, generator=generator)[:n].sort().values
+    def data_positions(self, batch_size: int, region: int, generator: torch.Generator) -> torch.Tensor:
+        chosen = torch.rand(batch_size, region, generator=generator).argsort(-1)[:, : self.options.num_tokens]
+        return chosen.sort(-1).values

@@ -1,7 +1,7 @@
 """Time-series next-step forecasting: generated sine mixtures, or any CSV with numeric columns.
 
-Batches are `SeriesBatch(inputs [B, T, F], targets [B, T, F])` with targets the next step of every
-position (one-step-ahead forecasting at every time, causal models score all positions).
+Batches are `SeriesBatch(inputs [B, T, F], targets [B, T, F])`, targets being the next step of every
+position (one-step-ahead forecasting at every time step; a causal model is scored everywhere).
 """
 
 from __future__ import annotations
@@ -9,31 +9,38 @@ from __future__ import annotations
 import csv
 import dataclasses
 import math
-from functools import cached_property
 from pathlib import Path
 from typing import Literal, Optional
 
 import torch
 
-from ..config import Config
-from .base import SeriesBatch, Task, register
+from .base import SeriesBatch, Task, TaskOptions, random_windows, register
 
 
 @dataclasses.dataclass
-class SineOptions(Config):
+class SineOptions(TaskOptions):
     num_features: int = 4
     num_components: int = 3  # sines summed per feature
-    noise: float = 0.05
+    noise: float = 0.05  # std of the added gaussian noise
+    min_period: float = 8.0  # periods (in steps) are drawn uniformly in [min_period, max_period]
+    max_period: float = 64.0
 
     def validate(self) -> None:
-        if self.num_features < 1 or self.num_components < 1:
-            raise ValueError("num_features and num_components must be >= 1")
+        if self.num_features < 1:
+            raise ValueError(f"num_features must be >= 1, got {self.num_features}")
+        if self.num_components < 1:
+            raise ValueError(f"num_components must be >= 1, got {self.num_components}")
         if self.noise < 0:
             raise ValueError(f"noise must be >= 0, got {self.noise}")
+        if not 2 <= self.min_period <= self.max_period:
+            raise ValueError(f"min_period ({self.min_period}) must be >= 2 and <= max_period ({self.max_period})")
 
 
 @register
 class ForecastSine(Task):
+    """Each feature of each sequence: a sum of sines with random periods, phases and amplitudes in
+    [0.5, 1.5], scaled by 1/sqrt(num_components) for unit-order variance, plus gaussian noise."""
+
     name = "forecast_sine"
     Options = SineOptions
 
@@ -41,94 +48,93 @@ class ForecastSine(Task):
         super().__init__(options)
         self.num_features = options.num_features
 
-    def min_length(self) -> int:
-        return 2
-
-    def sample(self, batch_size: int, length: int, generator: torch.Generator) -> SeriesBatch:
-        self.check_length(length)
-        shape = (batch_size, 1, self.num_features, self.options.num_components)
-        freq = 2 * math.pi / (8 + 56 * torch.rand(shape, generator=generator))  # periods 8 .. 64 steps
+    def _generate(self, batch_size: int, length: int, generator: torch.Generator) -> SeriesBatch:
+        o = self.options
+        shape = (batch_size, 1, o.num_features, o.num_components)
+        period = o.min_period + (o.max_period - o.min_period) * torch.rand(shape, generator=generator)
         phase = 2 * math.pi * torch.rand(shape, generator=generator)
-        amp = 0.5 + torch.rand(shape, generator=generator)
-        t = torch.arange(length + 1, dtype=torch.float32)[None, :, None, None]
-        series = (amp * torch.sin(freq * t + phase)).sum(-1) / math.sqrt(self.options.num_components)
-        series = series + self.options.noise * torch.randn(series.shape, generator=generator)
+        amplitude = 0.5 + torch.rand(shape, generator=generator)
+        steps = torch.arange(length + 1, dtype=torch.float32)[None, :, None, None]
+        series = (amplitude * torch.sin(2 * math.pi * steps / period + phase)).sum(-1) / math.sqrt(o.num_components)
+        series = series + o.noise * torch.randn(series.shape, generator=generator)
         return SeriesBatch(series[:, :-1], series[:, 1:])
 
 
+# Header names (case-insensitive) of a timestamp column, which is never a feature even when numeric.
 TIME_COLUMNS = {"date", "time", "timestamp", "datetime", "ds"}
+SPLIT_ENDS = {"train": (0.0, 0.7), "val": (0.7, 0.8), "test": (0.8, 1.0)}  # fractions of the rows, in time order
 
 
 @dataclasses.dataclass
-class CsvOptions(Config):
+class CsvOptions(TaskOptions):
     path: str = ""
-    columns: Optional[list[str]] = None  # numeric columns to use; default all numeric ones
+    columns: Optional[list[str]] = None  # numeric columns to use; None = every numeric non-timestamp column
     split: Literal["train", "val", "test"] = "train"
 
     def validate(self) -> None:
         if not self.path:
             raise ValueError("path must name a CSV file")
+        if self.columns is not None and not self.columns:
+            raise ValueError("columns must name at least one column (or be left out for all numeric ones)")
+
+
+def read_numeric_csv(path: Path, columns: Optional[list[str]]) -> tuple[list[str], torch.Tensor]:
+    """(names, values [rows, columns] float64) of the numeric columns of a CSV with a header row."""
+    if not path.is_file():
+        raise ValueError(f"CSV file {path} does not exist")
+    with path.open(newline="") as f:
+        header, *body = list(csv.reader(f)) or [[]]
+    if not body:
+        raise ValueError(f"CSV file {path} has no data rows")
+
+    def parsed(col: int) -> Optional[list[float]]:
+        try:
+            return [float(row[col]) for row in body]
+        except (ValueError, IndexError):
+            return None
+
+    if columns is None:
+        wanted = [c for c, name in enumerate(header) if name.strip().lower() not in TIME_COLUMNS]
+    else:
+        missing = [name for name in columns if name not in header]
+        if missing:
+            raise ValueError(f"CSV file {path} has no column(s) {missing}; its columns are {header}")
+        wanted = [header.index(name) for name in columns]
+    values = {c: parsed(c) for c in wanted}
+    if columns is not None:
+        bad = [header[c] for c, v in values.items() if v is None]
+        if bad:
+            raise ValueError(f"CSV file {path}: column(s) {bad} are not numeric in every row")
+    numeric = [c for c, v in values.items() if v is not None]
+    if not numeric:
+        raise ValueError(f"CSV file {path} has no numeric columns (columns: {header})")
+    return [header[c] for c in numeric], torch.tensor([values[c] for c in numeric], dtype=torch.float64).T
 
 
 @register
 class ForecastCsv(Task):
-    """Windows of a CSV time series (ETT-style: a timestamp column, then numeric columns), split
-    70/10/20 by time and standardised with the training split's mean and std."""
+    """Windows of a CSV time series (ETT-style: a timestamp column, then numeric columns; rows in
+    time order), split 70/10/20 by time and standardised with the training split's mean and std."""
 
     name = "forecast_csv"
     Options = CsvOptions
 
     def __init__(self, options: CsvOptions):
         super().__init__(options)
-        self.num_features = self.data.shape[1]
-
-    @cached_property
-    def data(self) -> torch.Tensor:
-        path = Path(self.options.path)
-        if not path.is_file():
-            raise ValueError(f"CSV file {path} does not exist")
-        with path.open(newline="") as f:
-            rows = list(csv.reader(f))
-        if len(rows) < 2:
-            raise ValueError(f"CSV file {path} has no data rows")
-        header, body = rows[0], rows[1:]
-
-        def numeric(col: int) -> bool:
-            try:
-                [float(r[col]) for r in body]
-            except (ValueError, IndexError):
-                return False
-            return True
-
-        wanted = self.options.columns
-        if wanted:
-            missing = [c for c in wanted if c not in header]
-            if missing:
-                raise ValueError(f"CSV file {path} has no column(s) {missing}; it has {header}")
-            cols = [header.index(c) for c in wanted]
-            bad = [header[c] for c in cols if not numeric(c)]
-            if bad:
-                raise ValueError(f"CSV file {path}: column(s) {bad} are not numeric")
-        else:
-            # the timestamp column never counts as a feature, even when it is written as a number
-            cols = [c for c in range(len(header)) if header[c].strip().lower() not in TIME_COLUMNS and numeric(c)]
-        if not cols:
-            raise ValueError(f"CSV file {path} has no numeric columns (header: {header})")
-        values = torch.tensor([[float(r[c]) for c in cols] for r in body], dtype=torch.float32)
-        n = len(values)
-        train_end, val_end = int(0.7 * n), int(0.8 * n)
-        train = values[:train_end]
-        if len(train) < 2:
-            raise ValueError(f"CSV file {path} is too short ({n} rows) to split into train/val/test")
+        path = Path(options.path)
+        self.columns, values = read_numeric_csv(path, options.columns)
+        rows = len(values)
+        bounds = {split: (int(lo * rows), int(hi * rows)) for split, (lo, hi) in SPLIT_ENDS.items()}
+        train = values[slice(*bounds["train"])]
+        if len(train) < 2 or any(hi <= lo for lo, hi in bounds.values()):
+            raise ValueError(f"CSV file {path} is too short ({rows} rows) to split 70/10/20 into train/val/test")
         mean, std = train.mean(0), train.std(0).clamp_min(1e-8)
-        split = {"train": values[:train_end], "val": values[train_end:val_end], "test": values[val_end:]}
-        return (split[self.options.split] - mean) / std
+        self.data = ((values[slice(*bounds[options.split])] - mean) / std).float()
+        self.num_features = len(self.columns)
 
-    def sample(self, batch_size: int, length: int, generator: torch.Generator) -> SeriesBatch:
-        self.check_length(length)
+    def _generate(self, batch_size: int, length: int, generator: torch.Generator) -> SeriesBatch:
         if len(self.data) < length + 1:
-            raise ValueError(f"the {self.options.split} split of {self.options.path} has {len(self.data)} rows, "
-                             f"fewer than length + 1 = {length + 1}")
-        starts = torch.randint(0, len(self.data) - length, (batch_size,), generator=generator)
-        windows = torch.stack([self.data[s : s + length + 1] for s in starts.tolist()])
+            raise ValueError(f"length {length} is too long for the {self.options.split} split of "
+                             f"{self.options.path}: it has {len(self.data)} rows, fewer than length + 1")
+        windows = random_windows(self.data, batch_size, length + 1, generator)
         return SeriesBatch(windows[:, :-1], windows[:, 1:])

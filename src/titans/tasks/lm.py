@@ -1,7 +1,8 @@
 """Byte-level language modelling on a directory of text files (default: Python's standard library).
 
-Files are split into train/validation by a hash of their relative path (deterministic, disjoint);
-each split is read once and kept as one byte tensor; batches are random windows of length + 1 bytes.
+Files are split into train/validation by a hash of their relative path (deterministic on every
+machine, and disjoint by construction); each split is read once per process and kept as one byte
+tensor; batches are random windows of length + 1 bytes (vocabulary 256, every position scored).
 Report bits per byte: mean cross-entropy in nats / ln 2.
 """
 
@@ -17,64 +18,75 @@ from typing import Literal
 
 import torch
 
-from ..config import Config
-from .base import Task, TokenBatch, register
+from .base import Task, TaskOptions, TokenBatch, random_windows, register
 
 
 def bits_per_byte(mean_nll_nats: float) -> float:
+    """Bits per byte from the mean negative log-likelihood per byte in nats."""
     return mean_nll_nats / math.log(2)
 
 
 def stdlib_root() -> str:
+    """The Python standard library's source directory (present on every Python install)."""
     return sysconfig.get_paths()["stdlib"]
 
 
 @dataclasses.dataclass
-class LmOptions(Config):
+class LmOptions(TaskOptions):
     root: str = ""  # directory of text files; empty = the Python standard library
-    pattern: str = "*.py"
+    pattern: str = "*.py"  # glob of the files to use, searched recursively
     split: Literal["train", "val"] = "train"
     val_fraction: float = 0.1
 
     def validate(self) -> None:
+        if self.root and not Path(self.root).is_dir():
+            raise ValueError(f"root {self.root!r} is not a directory")
+        if not self.pattern:
+            raise ValueError("pattern must be a file glob such as '*.py'")
         if not 0 < self.val_fraction < 1:
             raise ValueError(f"val_fraction must be in (0, 1), got {self.val_fraction}")
 
 
-def file_split(relative: str, val_fraction: float) -> str:
-    digest = int(hashlib.sha256(relative.encode()).hexdigest()[:8], 16)
-    return "val" if digest / 0xFFFFFFFF < val_fraction else "train"
+def file_split(relative_path: str, val_fraction: float) -> Literal["train", "val"]:
+    """The split of a file, from a hash of its relative POSIX path (the same on every machine)."""
+    digest = int.from_bytes(hashlib.sha256(relative_path.encode()).digest()[:8], "big")
+    return "val" if digest < val_fraction * 2**64 else "train"
 
 
-@lru_cache(maxsize=8)
-def corpus_bytes(root: str, pattern: str, split: str, val_fraction: float) -> torch.Tensor:
+def split_files(root: str, pattern: str, split: str, val_fraction: float) -> list[Path]:
+    """The files of one split under `root`, sorted (third-party site-packages excluded)."""
     base = Path(root)
-    if not base.is_dir():
-        raise ValueError(f"text root {root} is not a directory")
-    files = sorted(p for p in base.rglob(pattern) if p.is_file() and "site-packages" not in p.parts)
-    chunks = [p.read_bytes() for p in files if file_split(str(p.relative_to(base)), val_fraction) == split]
-    data = b"\n".join(chunks)
+    files = sorted(p for p in base.rglob(pattern) if p.is_file() and "site-packages" not in p.relative_to(base).parts)
+    return [p for p in files if file_split(p.relative_to(base).as_posix(), val_fraction) == split]
+
+
+@lru_cache(maxsize=4)
+def corpus_bytes(root: str, pattern: str, split: str, val_fraction: float) -> torch.Tensor:
+    """[bytes] uint8: the split's files concatenated, each followed by a newline; read once, cached."""
+    data = b"".join(p.read_bytes() + b"\n" for p in split_files(root, pattern, split, val_fraction))
     if not data:
-        raise ValueError(f"no {pattern} files for the {split} split under {root}")
+        raise ValueError(f"root {root!r} has no {pattern} files in the {split} split")
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
 @register
 class LmBytes(Task):
+    """Random windows of the corpus: inputs are bytes t .. t + T - 1, targets bytes t + 1 .. t + T."""
+
     name = "lm_bytes"
     Options = LmOptions
     vocab_size = 256
 
     @property
     def data(self) -> torch.Tensor:
+        """The split's bytes (read on first use)."""
         o = self.options
         return corpus_bytes(o.root or stdlib_root(), o.pattern, o.split, o.val_fraction)
 
-    def sample(self, batch_size: int, length: int, generator: torch.Generator) -> TokenBatch:
-        self.check_length(length)
+    def _generate(self, batch_size: int, length: int, generator: torch.Generator) -> TokenBatch:
         data = self.data
-        if len(data) <= length + 1:
-            raise ValueError(f"corpus has {len(data)} bytes, fewer than length + 1 = {length + 1}")
-        starts = torch.randint(0, len(data) - length - 1, (batch_size,), generator=generator)
-        windows = torch.stack([data[s : s + length + 1] for s in starts.tolist()]).long()
+        if len(data) < length + 1:
+            raise ValueError(f"length {length} is too long for the {self.options.split} split: "
+                             f"the corpus has {len(data)} bytes, fewer than length + 1")
+        windows = random_windows(data, batch_size, length + 1, generator).long()
         return TokenBatch(windows[:, :-1], windows[:, 1:])

@@ -1,34 +1,34 @@
 """Needle in a haystack: RULER's three single-needle forms (byte-level text) and a compact synthetic one.
 
-Text forms: the haystack is trimmed so that context + needle + question + answer is exactly `length`
-bytes; only the answer bytes are scored. The synthetic `passkey` task is the cheap form our CPU demo
-trains on: noise tokens, one (KEY, value) needle at a random depth, and QUERY at the end.
+Text forms (Hsieh et al. 2024, "RULER"): vocabulary = the 256 byte values, no special tokens. A
+sequence is `haystack-with-needle + question + answer`, exactly `length` bytes; the haystack is the
+tail of a longer text (so it may start mid-sentence, and it ends at a sentence end), the needle sits
+at the sentence start nearest below fraction `depth` of it, and only the answer bytes are scored.
+
+The synthetic `passkey` task is the cheap form our CPU demo trains on: noise tokens, one
+(KEY, value) needle at a random depth, and QUERY at the very end followed by the value.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal, Optional
+from typing import ClassVar, Optional
 
 import torch
 
-from ..config import Config
-from .base import IGNORE_INDEX, Task, TokenBatch, register
-from .text import WORDS, generated_text, insert_at_sentence, pick, repeated_text, to_bytes
+from .base import Task, TaskOptions, TokenBatch, answer_targets, register
+from .text import WORDS, generated_text, insert_at_sentence, pick, repeated_text, tail, to_tokens
 
 
-def answer_targets(inputs: torch.Tensor, answer_len: int) -> torch.Tensor:
-    """Score only the last `answer_len` tokens: targets[t] = inputs[t + 1] for those."""
-    targets = torch.full_like(inputs, IGNORE_INDEX)
-    length = inputs.shape[-1]
-    targets[..., length - answer_len - 1 : length - 1] = inputs[..., length - answer_len :]
-    return targets
+def check_depth(depth: Optional[float]) -> None:
+    if depth is not None and not 0 <= depth <= 1:
+        raise ValueError(f"depth must be in [0, 1] (or None for uniform), got {depth}")
 
 
 @dataclasses.dataclass
-class PasskeyOptions(Config):
-    vocab: int = 64  # total vocabulary, two markers included
-    num_values: int = 16  # value tokens (chance accuracy 1 / num_values)
+class PasskeyOptions(TaskOptions):
+    vocab: int = 64  # total vocabulary: KEY, QUERY, num_values value tokens, the rest noise tokens
+    num_values: int = 16  # value tokens (chance accuracy per value token 1 / num_values)
     value_len: int = 1  # tokens in the needle's value
     depth: Optional[float] = None  # fixed needle depth in [0, 1]; None = uniform
 
@@ -36,16 +36,20 @@ class PasskeyOptions(Config):
         if self.num_values < 2:
             raise ValueError(f"num_values must be >= 2, got {self.num_values}")
         if self.vocab < self.num_values + 3:
-            raise ValueError(f"vocab ({self.vocab}) must exceed num_values + 2 markers ({self.num_values + 2})")
+            raise ValueError(f"vocab ({self.vocab}) must exceed num_values + 2 markers ({self.num_values + 2}) "
+                             "to leave at least one noise token")
         if self.value_len < 1:
             raise ValueError(f"value_len must be >= 1, got {self.value_len}")
-        if self.depth is not None and not 0 <= self.depth <= 1:
-            raise ValueError(f"depth must be in [0, 1], got {self.depth}")
+        check_depth(self.depth)
 
 
 @register
 class Passkey(Task):
-    """[noise … KEY v_1..v_m noise … QUERY v_1..v_m]; the model must output v after QUERY."""
+    """[noise … KEY v_1..v_m noise … QUERY v_1..v_m]: after QUERY the model must output v_1..v_m.
+
+    Tokens: KEY = 0, QUERY = 1, values 2 .. 2 + num_values - 1, noise the rest of the vocabulary.
+    Depth d puts KEY at round(d * (length - 2(m + 1))), so d = 1 puts the needle right before QUERY.
+    """
 
     name = "passkey"
     Options = PasskeyOptions
@@ -58,75 +62,80 @@ class Passkey(Task):
         self.noise_range = (2 + options.num_values, options.vocab)
 
     def min_length(self) -> int:
-        return 2 * (self.options.value_len + 1) + 1
+        return 2 * (self.options.value_len + 1)  # the needle and the query, no noise
 
-    def sample(self, batch_size: int, length: int, generator: torch.Generator) -> TokenBatch:
-        self.check_length(length)
+    def _generate(self, batch_size: int, length: int, generator: torch.Generator) -> TokenBatch:
         m = self.options.value_len
         inputs = torch.randint(*self.noise_range, (batch_size, length), generator=generator)
         values = torch.randint(*self.value_range, (batch_size, m), generator=generator)
-        room = length - 2 * (m + 1)  # needle start positions that leave the query region free
+        room = length - 2 * (m + 1)  # last needle start that leaves the query block free
         if self.options.depth is None:
-            starts = torch.randint(0, room + 1, (batch_size,), generator=generator)
+            starts = torch.randint(0, room + 1, (batch_size, 1), generator=generator)
         else:
-            starts = torch.full((batch_size,), round(self.options.depth * room))
-        rows = torch.arange(batch_size)
-        inputs[rows, starts] = self.KEY
-        for j in range(m):
-            inputs[rows, starts + 1 + j] = values[:, j]
+            starts = torch.full((batch_size, 1), round(self.options.depth * room))
+        inputs.scatter_(1, starts, self.KEY)
+        inputs.scatter_(1, starts + 1 + torch.arange(m), values)
         inputs[:, length - m - 1] = self.QUERY
         inputs[:, length - m :] = values
         return TokenBatch(inputs, answer_targets(inputs, m))
 
 
 @dataclasses.dataclass
-class NiahOptions(Config):
+class NiahOptions(TaskOptions):
     depth: Optional[float] = None  # fixed needle depth in [0, 1]; None = uniform
-    digits: int = 5  # length of the passkey / magic number
+    digits: int = 7  # length of the pass key / magic number (RULER uses 7-digit numbers)
 
     def validate(self) -> None:
-        if self.depth is not None and not 0 <= self.depth <= 1:
-            raise ValueError(f"depth must be in [0, 1], got {self.depth}")
-        if not 1 <= self.digits <= 12:
-            raise ValueError(f"digits must be in [1, 12], got {self.digits}")
+        check_depth(self.depth)
+        if not 1 <= self.digits <= 20:
+            raise ValueError(f"digits must be in [1, 20], got {self.digits}")
 
 
 class TextNeedle(Task):
-    """Byte-level needle tasks: subclasses make (needle, question, answer, haystack builder)."""
+    """Byte-level needle: subclasses give the needle and question templates and draw (key, value)."""
 
     Options = NiahOptions
     vocab_size = 256
+    needle_template: ClassVar[str]  # with {key} and {value}
+    question_template: ClassVar[str]  # with {key}; the answer (the value) follows it directly
 
-    def min_length(self) -> int:
-        return 160  # needle + question + answer fit with some haystack
+    def draw(self, generator: torch.Generator) -> tuple[str, str]:
+        """(key, value) of one needle."""
+        raise NotImplementedError
 
-    def _number(self, generator: torch.Generator) -> str:
-        first = str(int(torch.randint(1, 10, (1,), generator=generator)))
-        rest = "".join(str(int(d)) for d in torch.randint(0, 10, (self.options.digits - 1,), generator=generator))
-        return first + rest
-
-    def make(self, generator: torch.Generator) -> tuple[str, str, str]:
-        """(needle, question, answer)."""
+    def longest_key_value(self) -> tuple[str, str]:
+        """The (key, value) that makes the longest needle + question + answer."""
         raise NotImplementedError
 
     def haystack(self, n_bytes: int, generator: torch.Generator) -> str:
+        """Text of at least n_bytes that ends at a sentence end."""
         return generated_text(n_bytes, generator)
 
-    def sample(self, batch_size: int, length: int, generator: torch.Generator) -> TokenBatch:
-        self.check_length(length)
-        rows, row_targets = [], []
+    def parts(self, key: str, value: str) -> tuple[str, str, str]:
+        """(needle, question, answer)."""
+        return self.needle_template.format(key=key, value=value), self.question_template.format(key=key), value
+
+    def number(self, generator: torch.Generator) -> str:
+        """A decimal number of exactly `digits` digits (no leading zero)."""
+        digits = torch.randint(0, 10, (self.options.digits,), generator=generator)
+        digits[0] = 1 + digits[0] % 9
+        return "".join(map(str, digits.tolist()))
+
+    def min_length(self) -> int:
+        return sum(map(len, self.parts(*self.longest_key_value())))
+
+    def _generate(self, batch_size: int, length: int, generator: torch.Generator) -> TokenBatch:
+        rows, targets = [], []
         for _ in range(batch_size):
-            needle, question, answer = self.make(generator)
+            needle, question, answer = self.parts(*self.draw(generator))
             room = length - len(needle) - len(question) - len(answer)
-            if room < 0:
-                raise ValueError(f"length {length} is too short for task {self.name}")
             depth = self.options.depth
             if depth is None:
                 depth = float(torch.rand((), generator=generator))
-            context = insert_at_sentence(self.haystack(room, generator)[:room], needle, depth)
-            rows.append(to_bytes(context + question + answer))
-            row_targets.append(answer_targets(rows[-1], len(answer.encode())))
-        return TokenBatch(torch.stack(rows), torch.stack(row_targets))
+            context = insert_at_sentence(tail(self.haystack(room, generator), room), needle, depth)
+            rows.append(to_tokens(context + question + answer))
+            targets.append(answer_targets(rows[-1], len(answer)))
+        return TokenBatch(torch.stack(rows), torch.stack(targets))
 
 
 @register
@@ -134,14 +143,17 @@ class NiahPasskey(TextNeedle):
     """RULER passkey: a digit string hidden in repeated noise sentences."""
 
     name = "niah_passkey"
+    needle_template = "The pass key is {value}. Remember it. {value} is the pass key. "
+    question_template = "What is the pass key? The pass key is "
 
     def haystack(self, n_bytes: int, generator: torch.Generator) -> str:
         return repeated_text(n_bytes)
 
-    def make(self, generator):
-        key = self._number(generator)
-        return (f"The pass key is {key}. Remember it. {key} is the pass key. ",
-                "What is the pass key? The pass key is ", key)
+    def draw(self, generator: torch.Generator) -> tuple[str, str]:
+        return "", self.number(generator)
+
+    def longest_key_value(self) -> tuple[str, str]:
+        return "", "9" * self.options.digits
 
 
 @register
@@ -149,21 +161,30 @@ class NiahNumber(TextNeedle):
     """RULER single needle: a number keyed by a word, in a haystack of generated sentences."""
 
     name = "niah_number"
+    needle_template = "One of the special magic numbers for {key} is: {value}. "
+    question_template = "What is the special magic number for {key} mentioned in the provided text? " \
+                        "The special magic number for {key} mentioned in the provided text is "
 
-    def make(self, generator):
-        word, number = pick(WORDS, generator), self._number(generator)
-        return (f"One of the special magic numbers for {word} is: {number}. ",
-                f"What is the special magic number for {word}? The special magic number for {word} is: ", number)
+    def draw(self, generator: torch.Generator) -> tuple[str, str]:
+        return pick(WORDS, generator), self.number(generator)
+
+    def longest_key_value(self) -> tuple[str, str]:
+        return max(WORDS, key=len), "9" * self.options.digits
 
 
 @register
 class NiahWord(TextNeedle):
-    """RULER single needle: a word keyed by a word."""
+    """RULER single needle with a word value: a word keyed by another word."""
 
     name = "niah_word"
+    needle_template = "One of the special magic words for {key} is: {value}. "
+    question_template = "What is the special magic word for {key} mentioned in the provided text? " \
+                        "The special magic word for {key} mentioned in the provided text is "
 
-    def make(self, generator):
+    def draw(self, generator: torch.Generator) -> tuple[str, str]:
         key = pick(WORDS, generator)
-        value = pick([w for w in WORDS if w != key], generator)
-        return (f"The special magic word for {key} is: {value}. ",
-                f"What is the special magic word for {key}? The special magic word for {key} is: ", value)
+        return key, pick([w for w in WORDS if w != key], generator)
+
+    def longest_key_value(self) -> tuple[str, str]:
+        second_longest, longest = sorted(WORDS, key=len)[-2:]
+        return longest, second_longest  # the key appears three times, the value twice

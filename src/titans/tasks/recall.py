@@ -1,36 +1,51 @@
-"""Associative recall: multi-query associative recall (MQAR, Arora et al. 2023) and memory capacity."""
+"""Associative recall: multi-query associative recall (MQAR, Arora et al. 2023, "Zoology") and capacity."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
-from ..config import Config
-from .base import IGNORE_INDEX, Task, TokenBatch, register
+from .base import IGNORE_INDEX, Task, TaskOptions, TokenBatch, distinct_tokens, register, token_accuracy
+
+
+def check_pairs(num_pairs: int, vocab: int, specials: int) -> None:
+    """Keys and values come from disjoint halves of the non-special tokens, each needing num_pairs."""
+    if num_pairs < 1:
+        raise ValueError(f"num_pairs must be >= 1, got {num_pairs}")
+    if (vocab - specials) // 2 < num_pairs:
+        raise ValueError(f"vocab ({vocab}) must hold {specials} special token(s) plus num_pairs ({num_pairs}) "
+                         f"distinct keys and as many values: at least {specials + 2 * num_pairs}")
+
+
+def key_value_ranges(vocab: int, specials: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """Token ranges [low, high) of the keys (lower half) and values (upper half) above the special tokens."""
+    half = (vocab - specials) // 2
+    return (specials, specials + half), (specials + half, vocab)
 
 
 @dataclasses.dataclass
-class MqarOptions(Config):
-    vocab: int = 256  # keys from the lower half above the filler, values from the upper half
+class MqarOptions(TaskOptions):
+    vocab: int = 256  # token 0 is the filler; keys from the lower half of the rest, values from the upper
     num_pairs: int = 8
-    power_a: float = 0.01  # query gaps ~ power law with exponent power_a − 1 (Zoology's default a)
+    power_a: float = 0.01  # query slot s = 1, 2, ... has probability ∝ s^(power_a - 1) (Zoology's default)
 
     def validate(self) -> None:
-        if self.num_pairs < 1:
-            raise ValueError(f"num_pairs must be >= 1, got {self.num_pairs}")
-        if self.vocab < 2 * self.num_pairs + 1:
-            raise ValueError(f"vocab ({self.vocab}) must hold 2 * num_pairs distinct keys and values plus a filler")
+        check_pairs(self.num_pairs, self.vocab, specials=1)
         if not 0 < self.power_a <= 1:
             raise ValueError(f"power_a must be in (0, 1], got {self.power_a}")
 
 
 @register
 class Mqar(Task):
-    """k_1 v_1 … k_N v_N, then the query region: filler with every key once, placed at power-law
-    distances; the target at each queried key is its value. As in Zoology, the value is a label only:
-    the input after a query key stays filler, so answers cannot be copied from the next query."""
+    """k_1 v_1 … k_N v_N, then a query region of two-token slots holding every key once as `k v`,
+    the rest filler. As in Zoology, the slot of each query is drawn without replacement with
+    probability ∝ s^(power_a - 1) over slots s = 1, 2, … counted from the end of the key-value block,
+    so most queries come soon after the pairs and a long tail comes late. Keys and values are
+    distinct within a row. The target at each query key is its value (the next token); nothing else
+    is scored.
+    """
 
     name = "mqar"
     Options = MqarOptions
@@ -39,48 +54,47 @@ class Mqar(Task):
     def __init__(self, options: MqarOptions):
         super().__init__(options)
         self.vocab_size = options.vocab
-        half = (options.vocab - 1) // 2
-        self.key_range, self.value_range = (1, 1 + half), (1 + half, options.vocab)
+        self.key_range, self.value_range = key_value_ranges(options.vocab, specials=1)
 
     def min_length(self) -> int:
-        return 3 * self.options.num_pairs
+        return 4 * self.options.num_pairs  # the pairs, then one slot per query
 
-    def sample(self, batch_size: int, length: int, generator: torch.Generator) -> TokenBatch:
-        self.check_length(length)
+    def slot_weights(self, num_slots: int) -> torch.Tensor:
+        """Unnormalised probability of each query slot s = 1 .. num_slots (Zoology's power law)."""
+        return torch.arange(1, num_slots + 1, dtype=torch.float64) ** (self.options.power_a - 1)
+
+    def _generate(self, batch_size: int, length: int, generator: torch.Generator) -> TokenBatch:
         n = self.options.num_pairs
+        keys = distinct_tokens(*self.key_range, batch_size, n, generator)
+        values = distinct_tokens(*self.value_range, batch_size, n, generator)
         inputs = torch.full((batch_size, length), self.FILLER, dtype=torch.long)
-        targets = torch.full_like(inputs, IGNORE_INDEX)
-        context, region = 2 * n, length - 2 * n
-        # gap g = 1 .. region − 1 (the last position cannot hold a query: its answer would fall outside)
-        gaps = torch.arange(1, region, dtype=torch.float64)
-        weights = gaps ** (self.options.power_a - 1)
-        for b in range(batch_size):
-            keys = torch.randperm(self.key_range[1] - self.key_range[0], generator=generator)[:n] + self.key_range[0]
-            values = torch.randint(*self.value_range, (n,), generator=generator)
-            inputs[b, 0:context:2], inputs[b, 1:context:2] = keys, values
-            slots = torch.multinomial(weights, n, replacement=False, generator=generator) + context  # gap g -> context - 1 + g
-            order = torch.randperm(n, generator=generator)
-            inputs[b, slots] = keys[order]
-            targets[b, slots] = values[order]
+        inputs[:, 0 : 2 * n : 2], inputs[:, 1 : 2 * n : 2] = keys, values
+        weights = self.slot_weights((length - 2 * n) // 2).expand(batch_size, -1)
+        slots = torch.multinomial(weights, n, replacement=False, generator=generator)
+        # draws come out short slots first; shuffle so that which pair is asked first is uniform
+        slots = slots.gather(1, torch.rand(batch_size, n, generator=generator).argsort(-1))
+        query_at = 2 * n + 2 * slots
+        inputs.scatter_(1, query_at, keys)
+        inputs.scatter_(1, query_at + 1, values)
+        targets = torch.full_like(inputs, IGNORE_INDEX).scatter_(1, query_at, values)
         return TokenBatch(inputs, targets)
 
 
 @dataclasses.dataclass
-class CapacityOptions(Config):
-    vocab: int = 512
+class CapacityOptions(TaskOptions):
+    vocab: int = 512  # FILLER, SEP, then keys (lower half of the rest) and values (upper half)
     num_pairs: int = 16
 
     def validate(self) -> None:
-        if self.num_pairs < 1:
-            raise ValueError(f"num_pairs must be >= 1, got {self.num_pairs}")
-        if self.vocab < 2 * self.num_pairs + 2:
-            raise ValueError(f"vocab ({self.vocab}) must hold 2 * num_pairs tokens plus filler and separator")
+        check_pairs(self.num_pairs, self.vocab, specials=2)
 
 
 @register
 class Capacity(Task):
-    """num_pairs random key→value pairs shown once, filler, SEP, then every key (shuffled) asking
-    for its value; accuracy is the fraction of values recalled."""
+    """k_1 v_1 … k_N v_N (distinct random keys, random values), filler, SEP, then every key once in a
+    shuffled order, each followed by its value; the target at each queried key is its value, so
+    token accuracy is the fraction of pairs recalled. `length - 4N - 1` filler tokens separate
+    storing from recalling."""
 
     name = "capacity"
     Options = CapacityOptions
@@ -89,41 +103,54 @@ class Capacity(Task):
     def __init__(self, options: CapacityOptions):
         super().__init__(options)
         self.vocab_size = options.vocab
-        half = (options.vocab - 2) // 2
-        self.key_range, self.value_range = (2, 2 + half), (2 + half, options.vocab)
+        self.key_range, self.value_range = key_value_ranges(options.vocab, specials=2)
 
     def min_length(self) -> int:
         return 4 * self.options.num_pairs + 1
 
-    def sample(self, batch_size: int, length: int, generator: torch.Generator) -> TokenBatch:
-        self.check_length(length)
+    def _generate(self, batch_size: int, length: int, generator: torch.Generator) -> TokenBatch:
         n = self.options.num_pairs
+        keys = distinct_tokens(*self.key_range, batch_size, n, generator)
+        values = torch.randint(*self.value_range, (batch_size, n), generator=generator)
+        order = torch.rand(batch_size, n, generator=generator).argsort(-1)
+        queried_keys, queried_values = keys.gather(1, order), values.gather(1, order)
         inputs = torch.full((batch_size, length), self.FILLER, dtype=torch.long)
+        inputs[:, 0 : 2 * n : 2], inputs[:, 1 : 2 * n : 2] = keys, values
+        start = length - 2 * n  # the query block
+        inputs[:, start - 1] = self.SEP
+        inputs[:, start::2], inputs[:, start + 1 :: 2] = queried_keys, queried_values
         targets = torch.full_like(inputs, IGNORE_INDEX)
-        queries = length - 2 * n  # start of the query block
-        inputs[:, queries - 1] = self.SEP
-        for b in range(batch_size):
-            keys = torch.randperm(self.key_range[1] - self.key_range[0], generator=generator)[:n] + self.key_range[0]
-            values = torch.randint(*self.value_range, (n,), generator=generator)
-            inputs[b, 0 : 2 * n : 2], inputs[b, 1 : 2 * n : 2] = keys, values
-            order = torch.randperm(n, generator=generator)
-            inputs[b, queries::2], inputs[b, queries + 1 :: 2] = keys[order], values[order]
-            targets[b, queries::2] = values[order]
+        targets[:, start::2] = queried_values
         return TokenBatch(inputs, targets)
 
 
-def measure_capacity(predict: Callable[[torch.Tensor], torch.Tensor], pair_counts: list[int], length: int,
-                     threshold: float = 0.9, batch_size: int = 16, seed: int = 0, vocab: int = 512) -> int:
-    """Largest number of pairs recalled with accuracy >= threshold (0 if none); `predict` maps
-    inputs [B, T] to logits or token predictions [B, T]."""
-    best = 0
-    for n in sorted(pair_counts):
-        task = Capacity(CapacityOptions(vocab=vocab, num_pairs=n))
-        batch = task.sample(batch_size, max(length, task.min_length()), torch.Generator().manual_seed(seed))
-        preds = predict(batch.inputs)
-        preds = preds.argmax(-1) if preds.is_floating_point() else preds
-        scored = batch.targets != IGNORE_INDEX
-        accuracy = ((preds == batch.targets) & scored).sum().item() / scored.sum().item()
-        if accuracy >= threshold:
-            best = n
-    return best
+class CapacityResult(NamedTuple):
+    """`capacity`: the largest number of pairs recalled with accuracy >= threshold (0 if none);
+    `accuracy`: the fraction of pairs recalled at each number of pairs tried."""
+
+    capacity: int
+    accuracy: dict[int, float]
+
+
+def measure_capacity(predict: Callable[[torch.Tensor], torch.Tensor], pair_counts: list[int], *,
+                     threshold: float = 0.9, gap: int = 0, vocab: int = 512, batch_size: int = 16,
+                     seed: int = 0) -> CapacityResult:
+    """How many random key→value pairs a model memorises from one showing.
+
+    `predict` maps inputs [B, T] to logits [B, T, V] or predicted tokens [B, T]; each count n in
+    `pair_counts` is tried on `batch_size` capacity sequences of length 4n + 1 + gap (`gap` filler
+    tokens between the pairs and the queries), all drawn from one generator seeded with `seed`.
+    """
+    if not pair_counts:
+        raise ValueError("pair_counts must name at least one number of pairs")
+    if not 0 <= threshold <= 1:
+        raise ValueError(f"threshold must be in [0, 1], got {threshold}")
+    if gap < 0:
+        raise ValueError(f"gap must be >= 0, got {gap}")
+    generator = torch.Generator().manual_seed(seed)
+    accuracy = {}
+    for n in sorted(set(pair_counts)):
+        batch = Capacity(CapacityOptions(vocab=vocab, num_pairs=n)).sample(batch_size, 4 * n + 1 + gap, generator)
+        accuracy[n] = token_accuracy(predict(batch.inputs), batch.targets).item()
+    passed = [n for n, acc in accuracy.items() if acc >= threshold]
+    return CapacityResult(max(passed, default=0), accuracy)
