@@ -77,8 +77,7 @@ def story_qa2(num_facts: int, g: torch.Generator) -> tuple[list[str], str, str]:
             facts.append(move(person, where[person], g))
         elif action == "take":
             thing = pick(free, g)
-            holder[thing] = person
-            dropped_in.pop(thing, None)
+            holder[thing] = person  # a held object's place is its holder's, whatever dropped_in says
             facts.append(f"{person} {pick(TAKE_VERBS, g)} the {thing}. ")
         else:
             thing = pick(held, g)
