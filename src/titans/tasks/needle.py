@@ -156,14 +156,19 @@ class NiahPasskey(TextNeedle):
         return "", "9" * self.options.digits
 
 
+def magic_templates(kind: str) -> tuple[str, str]:
+    """RULER's needle and question for a value of `kind` keyed by a word."""
+    asked = f"the special magic {kind} for {{key}} mentioned in the provided text"
+    return (f"One of the special magic {kind}s for {{key}} is: {{value}}. ",
+            f"What is {asked}? {asked[0].upper()}{asked[1:]} is ")
+
+
 @register
 class NiahNumber(TextNeedle):
     """RULER single needle: a number keyed by a word, in a haystack of generated sentences."""
 
     name = "niah_number"
-    needle_template = "One of the special magic numbers for {key} is: {value}. "
-    question_template = "What is the special magic number for {key} mentioned in the provided text? " \
-                        "The special magic number for {key} mentioned in the provided text is "
+    needle_template, question_template = magic_templates("number")
 
     def draw(self, generator: torch.Generator) -> tuple[str, str]:
         return pick(WORDS, generator), self.number(generator)
@@ -177,9 +182,7 @@ class NiahWord(TextNeedle):
     """RULER single needle with a word value: a word keyed by another word."""
 
     name = "niah_word"
-    needle_template = "One of the special magic words for {key} is: {value}. "
-    question_template = "What is the special magic word for {key} mentioned in the provided text? " \
-                        "The special magic word for {key} mentioned in the provided text is "
+    needle_template, question_template = magic_templates("word")
 
     def draw(self, generator: torch.Generator) -> tuple[str, str]:
         key = pick(WORDS, generator)
