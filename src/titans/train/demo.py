@@ -67,9 +67,9 @@ def run_demo(out: Path, config_paths: Optional[list[Path]] = None, quiet: bool =
     for cfg in configs:
         run = train(cfg, out / cfg.run_name, quiet=quiet)
         results[cfg.run_name] = {str(k): v["accuracy"] for k, v in run.evaluation.items()}
-        details[cfg.run_name] = {"variant": cfg.model.variant, "steps": run.step, "train_seconds": run.train_seconds,
+        details[cfg.run_name] = {"variant": cfg.model.variant, "steps": run.step, "train_seconds": run.seconds,
                                  "window": cfg.model.window, "final_train_loss": run.final_loss}
-        print(f"{cfg.run_name}: {run.step} steps in {run.train_seconds:.0f} s, "
+        print(f"{cfg.run_name}: {run.step} steps in {run.seconds:.0f} s, "
               f"accuracy {results[cfg.run_name]}", flush=True)
     windows = {c.model.window for c in configs if c.model.variant in ("swa", "mag", "mal")}
     print(format_table(results), flush=True)
