@@ -121,19 +121,24 @@ class Config:
 
     @classmethod
     def from_yaml(cls: type[C], path: str | Path) -> C:
-        path = Path(path)
-        if not path.is_file():
-            raise ValueError(f"config file {path} does not exist")
-        try:
-            data = yaml.safe_load(path.read_text())
-        except yaml.YAMLError as err:
-            raise ValueError(f"config file {path} is not valid YAML: {err}") from None
-        if not isinstance(data, dict):
-            raise ValueError(f"config file {path} must hold a mapping at the top level")
-        return cls.from_dict(data)
+        return cls.from_dict(read_yaml_mapping(path))
 
     def to_yaml(self, path: str | Path) -> None:
         Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+
+
+def read_yaml_mapping(path: str | Path) -> dict[str, Any]:
+    """The mapping at the top of a YAML file; ValueError naming the file when it is missing or malformed."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"config file {path} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise ValueError(f"config file {path} is not valid YAML: {str(err).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {path} must hold a mapping at the top level")
+    return data
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:

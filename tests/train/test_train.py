@@ -65,7 +65,7 @@ def test_vocab_size_comes_from_the_task(tmp_path):
 def test_training_is_deterministic_and_learns(tmp_path):
     cfg = load_train_config(write_tiny(tmp_path), ["steps=30", "checkpoint_every=0"])
     a = train(cfg, tmp_path / "a", quiet=True)
-    b = train(cfg, tmp_path / "b", quiet=True)
+    train(cfg, tmp_path / "b", quiet=True)
     assert all(torch.equal(weights(tmp_path / "a")[k], v) for k, v in weights(tmp_path / "b").items())
     losses = [json.loads(line)["loss"] for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()
               if '"loss"' in line and '"eval"' not in line]

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-import torch
 from torch import Tensor, nn
 
 from ..layers import Attention

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -26,8 +26,8 @@ from .common import Block, count_parameters, mlp_hidden_size
 from .config import TitansConfig
 from .lmm import build_lmm_mixer
 from .mac import MACState, build_mac_mixer
-from .mag import MAGState, build_mag_mixer
-from .mal import MALState, build_mal_mixer
+from .mag import AttentionMemoryState, build_mag_mixer
+from .mal import build_mal_mixer
 from .state_io import register_state
 
 MIXERS: dict[str, Callable[[TitansConfig], nn.Module]] = {
@@ -41,7 +41,7 @@ MIXERS: dict[str, Callable[[TitansConfig], nn.Module]] = {
     "gated_deltanet": build_gated_deltanet_mixer,
 }
 
-for _cls in (MemoryState, KVCache, MACState, MAGState, MALState, LSTMState):
+for _cls in (MemoryState, KVCache, MACState, AttentionMemoryState, LSTMState):
     register_state(_cls)
 
 State = list  # one entry per block

@@ -9,7 +9,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 from torch import Tensor, nn
@@ -21,7 +21,9 @@ from .config import TitansConfig
 
 
 @dataclasses.dataclass
-class MAGState:
+class AttentionMemoryState:
+    """State of a mixer holding a sliding-window attention and a memory (MAG, MAL)."""
+
     attention: KVCache
     memory: MemoryState
 
@@ -35,12 +37,12 @@ class MAGMixer(nn.Module):
         self.norm_attention = RMSNorm(cfg.dim)
         self.norm_memory = RMSNorm(cfg.dim)
 
-    def forward(self, x: Tensor, state: Optional[MAGState] = None) -> tuple[Tensor, MAGState]:
+    def forward(self, x: Tensor, state: Optional[AttentionMemoryState] = None) -> tuple[Tensor, AttentionMemoryState]:
         x_tilde, prefix = with_prefix(x, self.persistent, state)
         y, attention_cache = self.attention(x_tilde, state.attention if state else None, prefix_len=prefix)
         m, memory_state = self.memory(x_tilde, state.memory if state else None)
         o = self.norm_attention(y) * torch.sigmoid(self.norm_memory(m))
-        return o[:, prefix:], MAGState(attention_cache, memory_state)
+        return o[:, prefix:], AttentionMemoryState(attention_cache, memory_state)
 
 
 def build_mag_mixer(cfg: TitansConfig) -> MAGMixer:

@@ -8,21 +8,14 @@ The RMSNorm between the two layers is ours (each sub-layer sees a normalised inp
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Optional
 
 from torch import Tensor, nn
 
-from ..layers import KVCache, PersistentMemory, RMSNorm
-from ..memory import MemoryState
+from ..layers import PersistentMemory, RMSNorm
 from .common import build_memory, build_window_attention, with_prefix
 from .config import TitansConfig
-
-
-@dataclasses.dataclass
-class MALState:
-    attention: KVCache
-    memory: MemoryState
+from .mag import AttentionMemoryState
 
 
 class MALMixer(nn.Module):
@@ -33,11 +26,11 @@ class MALMixer(nn.Module):
         self.norm = RMSNorm(cfg.dim)
         self.attention = build_window_attention(cfg)
 
-    def forward(self, x: Tensor, state: Optional[MALState] = None) -> tuple[Tensor, MALState]:
+    def forward(self, x: Tensor, state: Optional[AttentionMemoryState] = None) -> tuple[Tensor, AttentionMemoryState]:
         x_tilde, prefix = with_prefix(x, self.persistent, state)
         y, memory_state = self.memory(x_tilde, state.memory if state else None)
         o, attention_cache = self.attention(self.norm(y), state.attention if state else None, prefix_len=prefix)
-        return o[:, prefix:], MALState(attention_cache, memory_state)
+        return o[:, prefix:], AttentionMemoryState(attention_cache, memory_state)
 
 
 def build_mal_mixer(cfg: TitansConfig) -> MALMixer:

@@ -6,9 +6,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Literal, Optional
 
-import yaml
-
-from ..config import Config, apply_overrides
+from ..config import Config, apply_overrides, read_yaml_mapping
 from ..models.config import TitansConfig
 
 
@@ -80,15 +78,7 @@ def load_train_config(path: Optional[str | Path] = None, overrides: Optional[lis
     if data is None:
         if path is None:
             raise ValueError("a config file or data is required")
-        path = Path(path)
-        if not path.is_file():
-            raise ValueError(f"config file {path} does not exist")
-        try:
-            data = yaml.safe_load(path.read_text())
-        except yaml.YAMLError as err:
-            raise ValueError(f"config file {path} is not valid YAML: {str(err).splitlines()[0]}") from None
-        if not isinstance(data, dict):
-            raise ValueError(f"config file {path} must hold a mapping at the top level")
+        data = read_yaml_mapping(path)
     data = apply_overrides(data, overrides or [])
     model = data.setdefault("model", {}) or {}
     if not isinstance(model, dict):
