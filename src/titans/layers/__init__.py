@@ -1,6 +1,8 @@
 """Building blocks around the memory: norms, RoPE, SwiGLU, attention shapes, persistent tokens, conv."""
 
-from .attention import Attention, KVCache, banded_attention, masked_attention, reference_attention, visibility
+from .attention import (Attention, HeadProjections, KVCache, SegmentAttention, SegmentCache, banded_attention,
+                        explicit_attention, reference_attention, reference_segment_attention, segment_attention,
+                        segment_visibility, visibility)
 from .conv import CausalDepthwiseConv, causal_depthwise_conv
 from .mlp import SwiGLU
 from .norm import RMSNorm
@@ -8,6 +10,8 @@ from .persistent import PersistentMemory
 from .rope import RotaryEmbedding
 
 __all__ = [
-    "Attention", "KVCache", "banded_attention", "masked_attention", "reference_attention", "visibility", "CausalDepthwiseConv",
-    "causal_depthwise_conv", "SwiGLU", "RMSNorm", "PersistentMemory", "RotaryEmbedding",
+    "Attention", "HeadProjections", "KVCache", "SegmentAttention", "SegmentCache", "banded_attention",
+    "explicit_attention", "reference_attention", "reference_segment_attention", "segment_attention",
+    "segment_visibility", "visibility", "CausalDepthwiseConv", "causal_depthwise_conv", "SwiGLU", "RMSNorm",
+    "PersistentMemory", "RotaryEmbedding",
 ]

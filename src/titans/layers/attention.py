@@ -1,15 +1,24 @@
-"""Attention as short-term memory, through `F.scaled_dot_product_attention`, with bounded KV caches.
+"""Attention as short-term memory, through `F.scaled_dot_product_attention`, with bounded caches.
 
-One rule covers the full-causal and sliding-window shapes: key j is visible to query i when
-j ≤ i and (j is a persistent-prefix token, or i − j < window). Positions are absolute, so a stream
-fed in pieces with its `KVCache` gives the same outputs as one call. The sliding-window path runs
-in query blocks, each against its own key band, so memory is O(T · window), not O(T²);
-`reference_attention` is the plain one-mask version it is tested against.
+Three shapes:
+1. full causal (Transformer++) and
+2. sliding window with an always-visible persistent prefix (SWA, MAG, MAL): one rule covers both —
+   key j is visible to query i when j ≤ i and (j is a prefix token, or i − j < window). Positions are
+   absolute, so a stream fed in pieces with its `KVCache` gives the same outputs as one call. Long
+   sequences run in query blocks of about `window` queries, each against its own key band plus the
+   prefix, so memory is O(T · window), not O(T²).
+3. MAC segment attention: queries are the segment's tokens x_i; keys are [persistent p (all visible) ‖
+   retrieved memory tokens h (h_j visible iff j ≤ i, since h_j is read with x_j's query) ‖ x (causal)].
+   The `SegmentCache` holds the current segment's h and x keys/values (≤ segment length each).
+
+Each fast path has a plain reference beside it (explicit softmax, no fused kernel) that the tests
+compare it with in float64.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Optional
 
 import torch
@@ -17,6 +26,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .rope import RotaryEmbedding
+
+# Query blocks are at least this long: much shorter blocks pay more in per-call overhead than they
+# save in masked-out scores.
+MIN_QUERY_BLOCK = 64
 
 
 @dataclasses.dataclass
@@ -30,6 +43,27 @@ class KVCache:
     pos: int = 0  # absolute position of the next token (the prefix occupies 0 .. P − 1)
 
 
+@dataclasses.dataclass
+class SegmentCache:
+    """Keys/values of the current MAC segment so far: retrieved memory tokens h and inputs x."""
+
+    k_h: Tensor  # [batch, heads, n, head_dim], n < segment length; n = 0 at a segment boundary
+    v_h: Tensor
+    k_x: Tensor
+    v_x: Tensor
+
+    @property
+    def length(self) -> int:
+        return self.k_x.shape[2]
+
+
+def explicit_attention(q: Tensor, k: Tensor, v: Tensor, visible: Tensor) -> Tensor:
+    """softmax(q kᵀ / √d, masked to `visible`) v written out: the plain form the fused paths are tested against."""
+    scores = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    return scores.masked_fill(~visible, float("-inf")).softmax(-1) @ v
+
+
+# ----------------------------------------------------------------------- full / sliding window
 def visibility(q_pos: Tensor, k_pos: Tensor, prefix_len: int, window: Optional[int]) -> Tensor:
     """Boolean [q, k]: causal, and within the window unless the key is a prefix token."""
     causal = k_pos[None, :] <= q_pos[:, None]
@@ -39,49 +73,75 @@ def visibility(q_pos: Tensor, k_pos: Tensor, prefix_len: int, window: Optional[i
     return causal & (near | (k_pos[None, :] < prefix_len))
 
 
-def masked_attention(q: Tensor, k: Tensor, v: Tensor, visible: Tensor) -> Tensor:
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=visible)
+def reference_attention(q: Tensor, q_pos: Tensor, k: Tensor, v: Tensor, k_pos: Tensor, prefix_len: int,
+                        window: Optional[int]) -> Tensor:
+    """Plain version: one mask over every key, explicit softmax."""
+    return explicit_attention(q, k, v, visibility(q_pos, k_pos, prefix_len, window))
 
 
-def reference_attention(q, q_pos, k, v, k_pos, prefix_len, window):
-    """Plain version: one mask over every key."""
-    return masked_attention(q, k, v, visibility(q_pos, k_pos, prefix_len, window))
+def banded_attention(q: Tensor, q_pos: Tensor, k: Tensor, v: Tensor, k_pos: Tensor, prefix_len: int,
+                     window: Optional[int], block: Optional[int] = None) -> Tensor:
+    """Same result as `reference_attention`, through SDPA; with a window, query blocks of `block`
+    (default max(window, MIN_QUERY_BLOCK)) only see their key band plus the prefix: O(T · window) memory.
 
-
-def banded_attention(q, q_pos, k, v, k_pos, prefix_len, window, block: int = 256):
-    """Same result as `reference_attention`; query blocks only see their key band plus the prefix.
-
-    Keys must be sorted by position with the prefix (positions < prefix_len) first.
+    q `[batch, heads, n, d]` at positions `q_pos` (increasing); keys sorted by position, the prefix
+    (positions < prefix_len) first.
     """
+    block = block or max(window or 0, MIN_QUERY_BLOCK)
     if window is None or k.shape[2] <= block + window:
-        return reference_attention(q, q_pos, k, v, k_pos, prefix_len, window)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=visibility(q_pos, k_pos, prefix_len, window))
     n_prefix = int((k_pos < prefix_len).sum())
+    band_pos = k_pos[n_prefix:]
     outputs = []
     for start in range(0, q.shape[2], block):
         qp = q_pos[start : start + block]
-        lo = int(torch.searchsorted(k_pos[n_prefix:], qp[0] - window + 1)) + n_prefix
-        hi = int(torch.searchsorted(k_pos[n_prefix:], qp[-1], right=True)) + n_prefix
+        lo = int(torch.searchsorted(band_pos, qp[0] - window + 1)) + n_prefix
+        hi = int(torch.searchsorted(band_pos, qp[-1], right=True)) + n_prefix
         idx = torch.cat([torch.arange(n_prefix, device=k.device), torch.arange(lo, hi, device=k.device)])
-        outputs.append(reference_attention(q[:, :, start : start + block], qp, k[:, :, idx], v[:, :, idx],
-                                           k_pos[idx], prefix_len, window))
+        mask = visibility(qp, k_pos[idx], prefix_len, window)
+        outputs.append(F.scaled_dot_product_attention(q[:, :, start : start + block], k[:, :, idx], v[:, :, idx],
+                                                      attn_mask=mask))
     return torch.cat(outputs, dim=2)
 
 
-class Attention(nn.Module):
-    """Multi-head causal attention with RoPE; `window=None` is full attention (Transformer++).
+# ----------------------------------------------------------------------------- MAC segment
+def segment_visibility(n_persistent: int, offset: int, n_queries: int, n_keys: int) -> Tensor:
+    """Boolean [n_queries, n_persistent + 2 · n_keys] over [p ‖ h ‖ x] for queries at segment offsets
+    offset .. offset + n_queries − 1: every p, and h_j, x_j for j ≤ the query's offset."""
+    q_off = torch.arange(offset, offset + n_queries)
+    causal = torch.arange(n_keys)[None, :] <= q_off[:, None]
+    return torch.cat([causal.new_ones(n_queries, n_persistent), causal, causal], dim=1)
 
-    `forward(x, cache, prefix_len)`: on the first call of a stream (cache None) the first
-    `prefix_len` tokens of x are persistent-memory tokens, visible to every later query.
-    """
 
-    def __init__(self, dim: int, heads: int, window: Optional[int] = None, rope_base: float = 10_000.0,
-                 dropout: float = 0.0):
+def segment_attention(q: Tensor, k: Tensor, v: Tensor, n_persistent: int, offset: int) -> Tensor:
+    """Fast path: one SDPA call over keys [p ‖ h ‖ x] (h and x each `(k.shape[2] − n_persistent) / 2` long)."""
+    n_keys = (k.shape[2] - n_persistent) // 2
+    mask = segment_visibility(n_persistent, offset, q.shape[2], n_keys).to(q.device)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def reference_segment_attention(q: Tensor, k: Tensor, v: Tensor, n_persistent: int, offset: int) -> Tensor:
+    """Plain version, query by query: softmax over p, h_0..h_i and x_0..x_i, gathered explicitly."""
+    n_keys = (k.shape[2] - n_persistent) // 2
+    outputs = []
+    for i in range(q.shape[2]):
+        seen = offset + i + 1
+        idx = [*range(n_persistent), *range(n_persistent, n_persistent + seen),
+               *range(n_persistent + n_keys, n_persistent + n_keys + seen)]
+        scores = (q[:, :, i : i + 1] @ k[:, :, idx].transpose(-1, -2)) / math.sqrt(q.shape[-1])
+        outputs.append(scores.softmax(-1) @ v[:, :, idx])
+    return torch.cat(outputs, dim=2)
+
+
+# --------------------------------------------------------------------------------- modules
+class HeadProjections(nn.Module):
+    """The learned part every attention shape shares: q, k, v projections with RoPE, output projection."""
+
+    def __init__(self, dim: int, heads: int, rope_base: float = 10_000.0, dropout: float = 0.0):
         super().__init__()
-        if dim % heads:
+        if heads < 1 or dim % heads:
             raise ValueError(f"dim ({dim}) must be divisible by heads ({heads})")
-        if window is not None and window < 1:
-            raise ValueError(f"window must be >= 1, got {window}")
-        self.heads, self.head_dim, self.window = heads, dim // heads, window
+        self.heads, self.head_dim = heads, dim // heads
         self.qkv = nn.Linear(dim, 3 * dim, bias=False)
         self.out = nn.Linear(dim, dim, bias=False)
         self.rope = RotaryEmbedding(self.head_dim, rope_base)
@@ -97,10 +157,27 @@ class Attention(nn.Module):
     def merge(self, y: Tensor) -> Tensor:
         return self.dropout(self.out(y.transpose(1, 2).flatten(2)))
 
+
+class Attention(HeadProjections):
+    """Multi-head causal attention with RoPE; `window=None` is full attention (Transformer++).
+
+    `forward(x, cache, prefix_len)`: on the first call of a stream (cache None) the first
+    `prefix_len` tokens of x are persistent-memory tokens, visible to every later query. With a
+    window the cache never holds more than the prefix plus `window` keys; full attention keeps all.
+    """
+
+    def __init__(self, dim: int, heads: int, window: Optional[int] = None, rope_base: float = 10_000.0,
+                 dropout: float = 0.0):
+        super().__init__(dim, heads, rope_base, dropout)
+        if window is not None and window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        self.window = window
+
     def forward(self, x: Tensor, cache: Optional[KVCache] = None, prefix_len: int = 0) -> tuple[Tensor, KVCache]:
-        batch, seq, _ = x.shape
+        if cache is None and not 0 <= prefix_len <= x.shape[1]:  # the prefix only exists at the stream start
+            raise ValueError(f"prefix_len must be in [0, {x.shape[1]}], got {prefix_len}")
         pos = cache.pos if cache is not None else 0
-        positions = torch.arange(pos, pos + seq, device=x.device)
+        positions = torch.arange(pos, pos + x.shape[1], device=x.device)
         q, k, v = self.project(x, positions)
         if cache is None:
             empty = k[:, :, :0]
@@ -111,16 +188,57 @@ class Attention(nn.Module):
         n_prefix, n_past = cache.prefix_k.shape[2], cache.k.shape[2]
         keys = torch.cat([cache.prefix_k, cache.k, k], dim=2)
         values = torch.cat([cache.prefix_v, cache.v, v], dim=2)
-        k_pos = torch.cat([
-            torch.arange(n_prefix, device=x.device),
-            torch.arange(pos - n_past, pos, device=x.device),
-            positions_kv,
-        ])
-        if self.window is None and n_past == 0 and n_prefix == 0:
+        if self.window is None and n_past == 0 and n_prefix == 0:  # plain causal: the fused causal kernel
             y = F.scaled_dot_product_attention(q, keys, values, is_causal=True)
         else:
+            k_pos = torch.cat([
+                torch.arange(n_prefix, device=x.device),
+                torch.arange(pos - n_past, pos, device=x.device),
+                positions_kv,
+            ])
             y = banded_attention(q, positions, keys, values, k_pos, n_prefix, self.window)
         recent_k, recent_v = torch.cat([cache.k, k], dim=2), torch.cat([cache.v, v], dim=2)
         if self.window is not None:  # the cache never holds more than the window
             recent_k, recent_v = recent_k[:, :, -self.window :], recent_v[:, :, -self.window :]
-        return self.merge(y), KVCache(cache.prefix_k, cache.prefix_v, recent_k, recent_v, pos + seq)
+        return self.merge(y), KVCache(cache.prefix_k, cache.prefix_v, recent_k, recent_v, pos + x.shape[1])
+
+
+class SegmentAttention(HeadProjections):
+    """MAC's attention over [persistent p ‖ retrieved memory h ‖ segment x] (paper eq. 22).
+
+    `forward(x, h, persistent, cache)`: x and h `[batch, n, dim]` are the next n tokens of the current
+    segment and their retrieved memory tokens; they must not cross the segment's end. RoPE puts x_j and
+    h_j at position j of the segment; persistent tokens carry no rotation. The returned cache is empty
+    when the segment is complete.
+    """
+
+    def __init__(self, dim: int, heads: int, segment_len: int, rope_base: float = 10_000.0, dropout: float = 0.0):
+        super().__init__(dim, heads, rope_base, dropout)
+        if segment_len < 1:
+            raise ValueError(f"segment_len must be >= 1, got {segment_len}")
+        self.segment_len = segment_len
+
+    def forward(self, x: Tensor, h: Tensor, persistent: Optional[Tensor] = None,
+                cache: Optional[SegmentCache] = None) -> tuple[Tensor, SegmentCache]:
+        if h.shape != x.shape:
+            raise ValueError(f"h must have the shape of x {tuple(x.shape)}, got {tuple(h.shape)}")
+        offset = cache.length if cache is not None else 0
+        n = x.shape[1]
+        if offset + n > self.segment_len:
+            raise ValueError(f"x ({n} tokens at segment offset {offset}) crosses the segment end ({self.segment_len})")
+        positions = torch.arange(offset, offset + n, device=x.device)
+        q, k_x, v_x = self.project(x, positions)
+        _, k_h, v_h = self.project(h, positions)
+        if cache is not None:
+            k_h, v_h = torch.cat([cache.k_h, k_h], 2), torch.cat([cache.v_h, v_h], 2)
+            k_x, v_x = torch.cat([cache.k_x, k_x], 2), torch.cat([cache.v_x, v_x], 2)
+        keys, values, n_persistent = [k_h, k_x], [v_h, v_x], 0
+        if persistent is not None:
+            n_persistent = persistent.shape[0]
+            _, k_p, v_p = self.project(persistent.to(x.dtype)[None], None)
+            keys.insert(0, k_p.expand(x.shape[0], -1, -1, -1))
+            values.insert(0, v_p.expand(x.shape[0], -1, -1, -1))
+        y = segment_attention(q, torch.cat(keys, 2), torch.cat(values, 2), n_persistent, offset)
+        if offset + n == self.segment_len:  # segment complete: the next one starts from nothing
+            k_h = v_h = k_x = v_x = k_x[:, :, :0]
+        return self.merge(y), SegmentCache(k_h, v_h, k_x, v_x)

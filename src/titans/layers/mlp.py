@@ -1,4 +1,4 @@
-"""SwiGLU feed-forward (Shazeer, 2020), as in Transformer++."""
+"""SwiGLU feed-forward (Shazeer, 2020), as in Transformer++: down(SiLU(x W_gate) ⊙ x W_up)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ from torch import Tensor, nn
 class SwiGLU(nn.Module):
     def __init__(self, dim: int, hidden: int, dropout: float = 0.0):
         super().__init__()
-        self.gate_up = nn.Linear(dim, 2 * hidden, bias=False)
+        if hidden < 1:
+            raise ValueError(f"hidden must be >= 1, got {hidden}")
+        self.gate_up = nn.Linear(dim, 2 * hidden, bias=False)  # W_gate and W_up in one matmul
         self.down = nn.Linear(hidden, dim, bias=False)
         self.dropout = nn.Dropout(dropout)
 

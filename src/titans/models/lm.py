@@ -18,17 +18,14 @@ from safetensors import SafetensorError
 from safetensors.torch import load_model, save_model
 from torch import Tensor, nn
 
-from ..layers import KVCache, RMSNorm
-from ..memory import MemoryState
-from .baselines import (LSTMState, build_gated_deltanet_mixer, build_lstm_mixer, build_swa_mixer,
-                        build_transformer_mixer)
+from ..layers import RMSNorm
+from .baselines import build_gated_deltanet_mixer, build_lstm_mixer, build_swa_mixer, build_transformer_mixer
 from .common import Block, count_parameters, mlp_hidden_size
 from .config import TitansConfig
 from .lmm import build_lmm_mixer
-from .mac import MACState, build_mac_mixer
-from .mag import AttentionMemoryState, build_mag_mixer
+from .mac import build_mac_mixer
+from .mag import build_mag_mixer
 from .mal import build_mal_mixer
-from .state_io import register_state
 
 MIXERS: dict[str, Callable[[TitansConfig], nn.Module]] = {
     "lmm": build_lmm_mixer,
@@ -41,10 +38,7 @@ MIXERS: dict[str, Callable[[TitansConfig], nn.Module]] = {
     "gated_deltanet": build_gated_deltanet_mixer,
 }
 
-for _cls in (MemoryState, KVCache, MACState, AttentionMemoryState, LSTMState):
-    register_state(_cls)
-
-State = list  # one entry per block
+State = list  # one entry per block: that block's mixer state (see each variant's file)
 
 
 class Backbone(nn.Module):
@@ -132,7 +126,14 @@ class TitansLM(nn.Module):
                  top_p: Optional[float] = None, state: Optional[State] = None,
                  generator: Optional[torch.Generator] = None, return_state: bool = False
                  ) -> Union[Tensor, tuple[Tensor, State]]:
-        """Continue `prompt` [batch, T] by `max_new_tokens`, one token at a time through the state."""
+        """Continue `prompt` [batch, T ≥ 1] by `max_new_tokens`, one token at a time through the state.
+
+        The state stays bounded (attention caches ≤ window or segment, memory constant; only the full-
+        attention Transformer++ baseline keeps every key). Temperature 0 is greedy. Returns the prompt
+        followed by the new tokens, and with `return_state` the state after the last of them.
+        """
+        if prompt.dim() != 2 or prompt.shape[1] < 1:
+            raise ValueError(f"prompt must be [batch, T] with T >= 1, got shape {tuple(prompt.shape)}")
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         logits, state = self(prompt, state)
