@@ -1,169 +1,194 @@
 """The `titans` command line: train, eval, generate, bench, demo.
 
-Bad input ends with one line on stderr ("error: ...") and exit code 2, never a traceback wall,
-and an existing run directory is never overwritten without --force.
+Bad input ends with one line on stderr ("error: ...") and exit code 2, never a traceback wall
+(the commands turn the library's ValueErrors into that line; `main` does the same for usage errors
+such as a missing argument), and an existing run directory is never overwritten without --force.
 """
 
 from __future__ import annotations
 
 import functools
 import json
-import shutil
 import sys
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import typer
 
 from .bench import bench_app
 
-app = typer.Typer(help="Titans neural long-term memory: train, evaluate, generate, benchmark.",
+app = typer.Typer(help="Titans neural long-term memory: train, evaluate, generate, benchmark, demo.",
                   no_args_is_help=True, pretty_exceptions_enable=False)
 app.add_typer(bench_app, name="bench")
 
+USAGE_ERROR = 2
 
-def fail(message: str) -> None:
-    typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(2)
+
+def one_line(message: str) -> str:
+    return " ".join(str(message).split())
 
 
 def friendly(command: Callable) -> Callable:
-    """Turn the library's ValueErrors (and missing files) into a one-line error and exit code 2."""
+    """Turn the library's ValueErrors and file errors into one `error: ...` line and exit code 2."""
 
     @functools.wraps(command)
-    def wrapper(*args, **kwargs):
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return command(*args, **kwargs)
-        except (ValueError, FileNotFoundError, KeyError) as err:
-            fail(str(err).strip("'\""))
+        except (ValueError, OSError) as err:
+            typer.echo(f"error: {one_line(err)}", err=True)
+            raise typer.Exit(USAGE_ERROR) from None
 
     return wrapper
-
-
-def prepare_run_dir(run_dir: Path, force: bool, resume: bool) -> None:
-    if resume:
-        if not run_dir.is_dir():
-            fail(f"--resume: run directory {run_dir} does not exist")
-        return
-    if run_dir.exists() and any(run_dir.iterdir()):
-        if not force:
-            fail(f"run directory {run_dir} already exists; pass --force to overwrite it or --resume to continue")
-        shutil.rmtree(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
 
 
 @app.command()
 @friendly
 def train(
     config: Path = typer.Argument(..., help="YAML training config (see configs/)."),
-    overrides: Optional[list[str]] = typer.Argument(None, help="Overrides like model.dim=64 steps=10."),
+    overrides: Optional[list[str]] = typer.Argument(
+        None, help="Overrides like model.dim=64 steps=10 (top-level fields may also be written train.steps=10)."),
     out: Optional[Path] = typer.Option(None, help="Run directory (default runs/<name>)."),
-    force: bool = typer.Option(False, help="Overwrite an existing run directory."),
-    resume: bool = typer.Option(False, help="Continue from the run directory's latest checkpoint."),
+    force: bool = typer.Option(False, help="Delete an existing run directory (made by titans) and start over."),
+    resume: bool = typer.Option(False, help="Continue the run directory from its latest checkpoint."),
     quiet: bool = typer.Option(False, help="No progress bar."),
 ) -> None:
-    """Train a model; checkpoints, metrics.jsonl and eval.json go to the run directory."""
-    from .train import build_task, load_train_config, setup_distributed
-    from .train import train as run_training
+    """Train a model: checkpoints, metrics.jsonl and eval.json go to the run directory (its path is the last line).
 
-    cfg = load_train_config(config, overrides or [])
-    build_task(cfg)  # a bad task (e.g. a CSV without numeric columns) fails before anything is written
-    run_dir = out or Path("runs") / cfg.run_name
-    distributed = setup_distributed()
+    Under torchrun (`torchrun --nproc_per_node 2 -m titans.cli train ...`) it trains data-parallel.
+    """
     import torch.distributed as dist
 
-    if not distributed or dist.get_rank() == 0:
-        prepare_run_dir(run_dir, force, resume)
-        cfg.to_yaml(run_dir / "config.yaml")
-    if distributed:
-        dist.barrier()
-    result = run_training(cfg, run_dir, resume=resume, quiet=quiet)
-    if not distributed or dist.get_rank() == 0:
+    from .train import load_train_config, setup_distributed
+    from .train import train as run_training
+    from .train.checkpoint import prepare_run_dir
+
+    cfg = load_train_config(config, overrides or [])
+    run_dir = out or Path("runs") / cfg.run_name
+    distributed = setup_distributed(cfg.device)
+    lead = not distributed or dist.get_rank() == 0
+    try:
+        if lead:
+            prepare_run_dir(run_dir, force, resume)
+        if distributed:
+            dist.barrier()
+        result = run_training(cfg, run_dir, resume=resume, quiet=quiet)
+    finally:
+        if distributed:
+            dist.destroy_process_group()
+    if lead:
         for length, metrics in result.evaluation.items():
             typer.echo(f"length {length}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
-        typer.echo(f"{run_dir / 'eval.json'}")
-    if distributed:
-        dist.destroy_process_group()
+        typer.echo(str(run_dir / "eval.json"))
 
 
-def _int_list(text: str, name: str) -> list[int]:
+def parse_lengths(text: str) -> list[int]:
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise ValueError(f"{name} must be comma-separated integers, got {text!r}") from None
+        raise ValueError(f"--lengths must be comma-separated integers, got {text!r}") from None
     if not values or min(values) < 1:
-        raise ValueError(f"{name} must be positive integers, got {text!r}")
+        raise ValueError(f"--lengths must be positive integers, got {text!r}")
     return values
 
 
-def _load_checkpoint(ckpt: Path):
+def load_for_inference(ckpt: Path, device: str):
+    """(checkpoint path, config, task, model in eval mode) of a checkpoint, or of a run directory's latest."""
+    import torch
+
     from .train import build_model, build_task
     from .train.checkpoint import load_checkpoint_config, load_weights, resolve_checkpoint
+    from .train.loop import resolve_device
 
     path = resolve_checkpoint(ckpt)
     cfg = load_checkpoint_config(path)
     task = build_task(cfg)
-    model = build_model(cfg, task)
+    model = build_model(cfg, task).to(getattr(torch, cfg.dtype))
     load_weights(path, model)
-    return cfg, task, model.eval()
+    return path, cfg, task, model.to(resolve_device(device)).eval()
 
 
 @app.command("eval")
 @friendly
 def eval_command(
-    ckpt: Path = typer.Argument(..., help="Checkpoint directory or run directory."),
-    task: Optional[str] = typer.Option(None, help="Task name (default: the one it was trained on)."),
-    lengths: str = typer.Option("256,512,1024,2048", help="Comma-separated evaluation lengths."),
-    batches: int = typer.Option(8, min=1),
-    batch_size: int = typer.Option(16, min=1),
-    seed: int = typer.Option(0),
-    out: Optional[Path] = typer.Option(None, help="Write the results JSON here."),
+    ckpt: Path = typer.Argument(..., help="Checkpoint directory, or a run directory (its latest checkpoint)."),
+    task: Optional[str] = typer.Option(None, help="Task name (default: the task it was trained on, same options)."),
+    lengths: Optional[str] = typer.Option(None, help="Comma-separated lengths (default: the config's eval_lengths)."),
+    batches: Optional[int] = typer.Option(None, min=1, help="Batches per length (default: the config's)."),
+    batch_size: Optional[int] = typer.Option(None, min=1, help="Sequences per batch (default: the config's)."),
+    seed: int = typer.Option(0, help="Evaluation set (0 is the set training reports on)."),
+    device: str = typer.Option("cpu", help="cpu, cuda or auto."),
+    out: Optional[Path] = typer.Option(None, help="Results JSON (default: <checkpoint>/eval_<task>.json)."),
 ) -> None:
-    """Evaluate a checkpoint at several lengths (accuracy / loss table, JSON)."""
+    """Evaluate a checkpoint at several lengths: prints a table, writes a JSON (its path is the last line)."""
     from .tasks import get_task
     from .train import evaluate
+    from .train.config import check_model_fits_task
 
-    cfg, trained_task, model = _load_checkpoint(ckpt)
+    path, cfg, trained_task, model = load_for_inference(ckpt, device)
     eval_task = trained_task if task is None or task == cfg.task.name else get_task(task)
-    results = evaluate(model, eval_task, _int_list(lengths, "lengths"), batches, batch_size, seed)
-    typer.echo(f"{'length':>8} " + " ".join(f"{k:>14}" for k in next(iter(results.values()))))
+    if (eval_task.vocab_size is None) != (trained_task.vocab_size is None):
+        kinds = {True: "a series task", False: "a token task"}
+        raise ValueError(f"--task {eval_task.name} is {kinds[eval_task.vocab_size is None]} but the checkpoint "
+                         f"was trained on {kinds[trained_task.vocab_size is None]}")
+    check_model_fits_task(cfg.model, eval_task)
+    results = evaluate(model, eval_task, parse_lengths(lengths) if lengths else cfg.task.eval_lengths,
+                       batches or cfg.eval_batches, batch_size or cfg.eval_batch_size, seed, device=model_device(model))
+    names = list(next(iter(results.values())))
+    typer.echo(f"{'length':>8} " + " ".join(f"{name:>14}" for name in names))
     for length, metrics in results.items():
-        typer.echo(f"{length:>8} " + " ".join(f"{v:>14.4f}" for v in metrics.values()))
-    payload = {"task": eval_task.name, "checkpoint": str(ckpt), "results": {str(k): v for k, v in results.items()}}
-    if out is not None:
-        out.write_text(json.dumps(payload, indent=2))
-        typer.echo(str(out))
+        typer.echo(f"{length:>8} " + " ".join(f"{metrics[name]:>14.4f}" for name in names))
+    out = out or path / f"eval_{eval_task.name}.json"
+    out.write_text(json.dumps({"task": eval_task.name, "checkpoint": str(path), "seed": seed,
+                               "results": {str(k): v for k, v in results.items()}}, indent=2))
+    typer.echo(str(out))
+
+
+def model_device(model: Any):
+    return next(model.parameters()).device
 
 
 @app.command()
 @friendly
 def generate(
-    ckpt: Path = typer.Argument(..., help="Checkpoint directory or run directory."),
-    prompt: str = typer.Option(..., help="Prompt text (bytes for byte-level models; space-separated ids otherwise)."),
+    ckpt: Path = typer.Argument(..., help="Checkpoint directory, or a run directory (its latest checkpoint)."),
+    prompt: str = typer.Option(..., help="Prompt: text for byte-level models (vocab 256), else space-separated "
+                                         "token ids."),
     max_new_tokens: int = typer.Option(64, min=0),
-    temperature: float = typer.Option(0.8, min=0.0),
+    temperature: float = typer.Option(0.8, min=0.0, help="0 is greedy."),
     top_k: Optional[int] = typer.Option(None, min=1),
     top_p: Optional[float] = typer.Option(None, min=0.0, max=1.0),
-    seed: int = typer.Option(0),
-    max_prompt_tokens: int = typer.Option(65_536, help="Longest prompt accepted."),
+    seed: int = typer.Option(0, help="Sampling seed."),
+    max_prompt_tokens: Optional[int] = typer.Option(
+        None, min=1, help="Longest prompt accepted (default: the longest length the model was evaluated at)."),
+    device: str = typer.Option("cpu", help="cpu, cuda or auto."),
 ) -> None:
-    """Continue a prompt with a trained language model (constant-size state, token by token)."""
+    """Continue a prompt with a trained language model (token by token through its constant-size state)."""
     import torch
 
-    cfg, _, model = _load_checkpoint(ckpt)
-    if not hasattr(model, "generate"):
+    _, cfg, task, model = load_for_inference(ckpt, device)
+    if task.vocab_size is None:
         raise ValueError(f"checkpoint {ckpt} is a {cfg.task.name} forecaster, not a language model")
     byte_level = cfg.model.vocab_size == 256
-    ids = list(prompt.encode()) if byte_level else [int(t) for t in prompt.split()]
+    if byte_level:
+        ids = list(prompt.encode("utf-8"))
+    else:
+        try:
+            ids = [int(token) for token in prompt.split()]
+        except ValueError:
+            raise ValueError(f"--prompt must be space-separated token ids for a model with vocab_size "
+                             f"{cfg.model.vocab_size}, got {prompt!r}") from None
     if not ids:
-        raise ValueError("prompt is empty")
-    if len(ids) > max_prompt_tokens:
-        raise ValueError(f"prompt has {len(ids)} tokens, more than --max-prompt-tokens {max_prompt_tokens}")
-    if max(ids) >= cfg.model.vocab_size or min(ids) < 0:
-        raise ValueError(f"prompt token ids must lie in [0, {cfg.model.vocab_size})")
-    generator = torch.Generator().manual_seed(seed)
-    out = model.generate(torch.tensor([ids]), max_new_tokens, temperature, top_k, top_p, generator=generator)
-    new = out[0, len(ids):].tolist()
+        raise ValueError("--prompt is empty")
+    limit = max_prompt_tokens or max(cfg.task.train_length, *cfg.task.eval_lengths)
+    if len(ids) > limit:
+        raise ValueError(f"--prompt has {len(ids)} tokens, longer than allowed ({limit}); raise --max-prompt-tokens")
+    if min(ids) < 0 or max(ids) >= cfg.model.vocab_size:
+        raise ValueError(f"--prompt token ids must lie in [0, {cfg.model.vocab_size})")
+    generator = torch.Generator(device=model_device(model)).manual_seed(seed)
+    tokens = model.generate(torch.tensor([ids], device=model_device(model)), max_new_tokens, temperature, top_k,
+                            top_p, generator=generator)
+    new = tokens[0, len(ids):].tolist()
     typer.echo(bytes(new).decode("utf-8", errors="replace") if byte_level else " ".join(map(str, new)))
 
 
@@ -171,21 +196,39 @@ def generate(
 @friendly
 def demo(
     out: Path = typer.Option(Path("runs/demo"), help="Output directory."),
-    force: bool = typer.Option(False, help="Overwrite an existing output directory."),
+    force: bool = typer.Option(False, help="Delete an existing output directory (made by titans) first."),
     configs: Optional[list[Path]] = typer.Option(None, help="Training configs (default: configs/demo/*.yaml)."),
-    quiet: bool = typer.Option(False),
+    jobs: Optional[int] = typer.Option(None, min=1, help="Runs at once (default: one per config, at most one "
+                                                         "per core)."),
+    quiet: bool = typer.Option(False, help="No progress bars."),
 ) -> None:
-    """Train a Titans model and the SWA baseline on a needle task, test at 1-8x the training length."""
+    """Train a Titans model and the SWA baseline on a needle task, test at 1-8x the training length.
+
+    Prints the table, writes demo.png and demo.json to --out; the JSON's path is the last line.
+    """
+    from .train.checkpoint import prepare_run_dir
     from .train.demo import run_demo
 
-    prepare_run_dir(out, force, resume=False)
-    result_path = run_demo(out, configs, quiet=quiet)
-    typer.echo(str(result_path))
+    prepare_run_dir(out, force)
+    typer.echo(str(run_demo(out, configs, jobs=jobs, quiet=quiet)))
 
 
 def main() -> None:
-    app()
+    """Console entry point: usage errors (a missing argument, an unknown option) as one line, exit code 2."""
+    try:
+        code = app(standalone_mode=False)
+    except typer.TyperException as err:
+        text = err.format_message()
+        if type(err).__name__ != "NoArgsIsHelpError":
+            typer.echo(f"error: {one_line(text)}", err=True)
+        elif text.strip():  # a bare command asks for its help: rich has printed it already, else it is here
+            typer.echo(text, err=True)
+        code = err.exit_code
+    except typer.Abort:
+        typer.echo("error: aborted", err=True)
+        code = 1
+    sys.exit(code or 0)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

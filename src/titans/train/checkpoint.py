@@ -1,14 +1,23 @@
-"""Checkpoints: safetensors weights + optimizer/RNG/step state + the resolved config, written atomically.
+"""Run directories and checkpoints: safetensors weights + trainer state + the resolved config, written atomically.
 
-Layout: run_dir/checkpoints/step_000123/{model.safetensors, trainer.pt, config.yaml} and
-run_dir/checkpoints/latest (the name of the newest complete checkpoint). A checkpoint is written
-into a temporary folder and renamed into place, and `latest` is replaced atomically, so a process
-killed at any moment leaves the previous checkpoint intact.
+Layout of a run directory:
+
+    run_dir/.titans-run                     marker: made by titans, so --force may delete it
+    run_dir/config.yaml                     the resolved config of the run
+    run_dir/metrics.jsonl                   one JSON record per log / eval line
+    run_dir/eval.json                       the final evaluation
+    run_dir/checkpoints/step_0000120/       model.safetensors, trainer.pt, config.yaml
+
+A checkpoint is written into a hidden temporary folder and renamed into place (rename is atomic),
+so a `step_*` folder is always complete and a process killed at any moment leaves the newest
+complete one as the latest. Each step is written once: the state at a step is a deterministic
+function of the config, so a second write would only add a window in which it is missing.
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 import shutil
 from pathlib import Path
 from typing import Any, Optional
@@ -20,43 +29,84 @@ from torch import nn
 
 from .config import TrainConfig, load_train_config
 
+RUN_MARKER = ".titans-run"
+TRAINER_STATE_KEYS = ("step", "optimizer", "rng", "train_seconds", "skipped_steps")
+
+
+def prepare_run_dir(run_dir: Path, force: bool = False, resume: bool = False) -> None:
+    """Create `run_dir` for a new run, or check it for `resume`.
+
+    An existing non-empty folder is never touched without `force`, and `force` deletes only a folder
+    that titans made (it holds the run marker): `--force --out ~` must not wipe a home directory.
+    """
+    run_dir = Path(run_dir)
+    if resume:
+        if not (run_dir / RUN_MARKER).is_file():
+            raise ValueError(f"--resume: {run_dir} is not a titans run directory")
+        return
+    if run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir())):
+        if not force:
+            raise ValueError(f"run directory {run_dir} already exists; pass --force to overwrite it "
+                             "or --resume to continue it")
+        if not (run_dir / RUN_MARKER).is_file():
+            raise ValueError(f"--force: {run_dir} was not made by titans (no {RUN_MARKER} in it); "
+                             "refusing to delete it")
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / RUN_MARKER).touch()
+
 
 def checkpoint_dir(run_dir: Path) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
-def save_checkpoint(run_dir: Path, step: int, model: nn.Module, trainer_state: dict[str, Any], config: TrainConfig,
-                    keep: int = 2) -> Path:
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    """Complete checkpoints of a run, oldest first."""
+    root = checkpoint_dir(run_dir)
+    found = [p for p in root.glob("step_*") if p.is_dir() and p.name[5:].isdigit()] if root.is_dir() else []
+    return sorted(found, key=lambda p: int(p.name[5:]))
+
+
+def latest_checkpoint(run_dir: Path) -> Optional[Path]:
+    found = list_checkpoints(run_dir)
+    return found[-1] if found else None
+
+
+def checkpoint_step(path: Path) -> int:
+    return int(Path(path).name[5:])
+
+
+def _write_synced(path: Path, write) -> None:
+    write(path)
+    with open(path, "rb") as f:  # flush to disk before the rename makes the checkpoint visible
+        os.fsync(f.fileno())
+
+
+def save_checkpoint(run_dir: Path, step: int, model: nn.Module, trainer_state: dict[str, Any],
+                    config: TrainConfig, keep: int = 2) -> Path:
+    """Write checkpoint `step` (unless it exists) and keep only the newest `keep` checkpoints."""
     root = checkpoint_dir(run_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:07d}"
-    tmp = root / f".tmp_step_{step:07d}_{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    save_model(model, str(tmp / "model.safetensors"))
-    torch.save(trainer_state, tmp / "trainer.pt")
-    config.to_yaml(tmp / "config.yaml")
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    pointer = root / f".latest_{os.getpid()}"
-    pointer.write_text(final.name)
-    os.replace(pointer, root / "latest")
-    for old in sorted(root.glob("step_*"))[:-keep]:  # keep the newest `keep` checkpoints
+    if not final.is_dir():
+        for stale in root.glob(".tmp_*"):  # left behind by a writer that was killed
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp = root / f".tmp_{final.name}_{os.getpid()}"
+        tmp.mkdir()
+        _write_synced(tmp / "model.safetensors", lambda p: save_model(model, str(p)))
+        _write_synced(tmp / "trainer.pt", lambda p: torch.save(trainer_state, p))
+        _write_synced(tmp / "config.yaml", config.to_yaml)
+        os.rename(tmp, final)
+    for old in list_checkpoints(run_dir)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
 
 
-def latest_checkpoint(run_dir: Path) -> Optional[Path]:
-    pointer = checkpoint_dir(run_dir) / "latest"
-    if not pointer.is_file():
-        return None
-    path = checkpoint_dir(run_dir) / pointer.read_text().strip()
-    return path if path.is_dir() else None
-
-
 def resolve_checkpoint(path: Path) -> Path:
-    """Accept a checkpoint folder or a run folder (its latest checkpoint)."""
+    """Accept a checkpoint folder or a run folder (then its latest checkpoint)."""
     path = Path(path)
+    if not path.exists():
+        raise ValueError(f"checkpoint {path} does not exist")
     if (path / "model.safetensors").is_file():
         return path
     latest = latest_checkpoint(path)
@@ -69,22 +119,34 @@ def load_checkpoint_config(path: Path) -> TrainConfig:
     config_path = Path(path) / "config.yaml"
     if not config_path.is_file():
         raise ValueError(f"checkpoint {path} has no config.yaml")
-    return load_train_config(config_path)
+    try:
+        return load_train_config(config_path)
+    except ValueError as err:
+        raise ValueError(f"checkpoint {path} has an invalid config.yaml: {err}") from None
 
 
 def load_weights(path: Path, model: nn.Module) -> None:
+    """Load model.safetensors into `model`; ValueError when it is unreadable or does not fit the model."""
     weights = Path(path) / "model.safetensors"
+    if not weights.is_file():
+        raise ValueError(f"checkpoint {path} has no model.safetensors")
     try:
         missing, unexpected = load_model(model, str(weights), strict=False)
     except (SafetensorError, OSError, RuntimeError) as err:
-        raise ValueError(f"checkpoint {path} is corrupt or does not match the model: {str(err).splitlines()[0]}") from None
+        raise ValueError(f"checkpoint {path} is corrupt or does not match the model: "
+                         f"{str(err).strip().splitlines()[0]}") from None
     if missing or unexpected:
         raise ValueError(f"checkpoint {path} does not match the model: missing {sorted(missing)[:3]}, "
                          f"unexpected {sorted(unexpected)[:3]}")
 
 
 def load_trainer_state(path: Path) -> dict[str, Any]:
+    """trainer.pt (plain tensors and containers only: loaded with weights_only=True)."""
     try:
-        return torch.load(Path(path) / "trainer.pt", weights_only=False)
-    except (OSError, RuntimeError, EOFError) as err:
-        raise ValueError(f"checkpoint {path} has an unreadable trainer.pt: {str(err).splitlines()[0]}") from None
+        state = torch.load(Path(path) / "trainer.pt", weights_only=True)
+    except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as err:
+        raise ValueError(f"checkpoint {path} has an unreadable trainer.pt: "
+                         f"{str(err).strip().splitlines()[0]}") from None
+    if not isinstance(state, dict) or any(key not in state for key in TRAINER_STATE_KEYS):
+        raise ValueError(f"checkpoint {path}: trainer.pt lacks the trainer state ({', '.join(TRAINER_STATE_KEYS)})")
+    return state

@@ -3,19 +3,27 @@
 Each config in configs/demo/ is trained (time-boxed by its `time_budget_s`), evaluated at the lengths
 of its task, and the results go to a table (stdout), a PNG plot and a JSON file:
 `{"task": ..., "train_length": L, "results": {"<model name>": {"<length>": accuracy, ...}, ...}}`.
+
+The runs go side by side, one process each, with the cores split between them: the models are
+small, so one thread per run on two cores is faster than two threads on one run after the other.
 """
 
 from __future__ import annotations
 
 import json
+import os
+from concurrent.futures import ProcessPoolExecutor
+from functools import partial
+from multiprocessing import get_context
 from pathlib import Path
 from typing import Optional
 
-from .config import TrainConfig, load_train_config
+from .config import load_train_config
 from .loop import train
 
 
 def default_demo_configs() -> list[Path]:
+    """configs/demo/*.yaml in the working directory, else in the source checkout this package runs from."""
     for root in (Path.cwd(), Path(__file__).resolve().parents[3]):
         found = sorted((root / "configs" / "demo").glob("*.yaml"))
         if found:
@@ -25,6 +33,7 @@ def default_demo_configs() -> list[Path]:
 
 def plot_results(results: dict[str, dict[str, float]], train_length: int, window: Optional[int], task: str,
                  path: Path) -> None:
+    """Accuracy against context length, one line per model, with the training length and window marked."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -32,8 +41,7 @@ def plot_results(results: dict[str, dict[str, float]], train_length: int, window
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, by_length in results.items():
-        lengths = [int(k) for k in by_length]
-        ax.plot(lengths, list(by_length.values()), marker="o", label=name)
+        ax.plot([int(k) for k in by_length], list(by_length.values()), marker="o", label=name)
     ax.axvline(train_length, color="grey", linestyle=":", label=f"train length {train_length}")
     if window:
         ax.axvline(window, color="red", linestyle="--", alpha=0.5, label=f"attention window {window}")
@@ -50,6 +58,7 @@ def plot_results(results: dict[str, dict[str, float]], train_length: int, window
 
 
 def format_table(results: dict[str, dict[str, float]]) -> str:
+    """A markdown table: one row per model, one column per length."""
     lengths = sorted({int(k) for by_length in results.values() for k in by_length})
     lines = ["| model | " + " | ".join(str(n) for n in lengths) + " |", "|---|" + "---:|" * len(lengths)]
     for name, by_length in results.items():
@@ -57,20 +66,39 @@ def format_table(results: dict[str, dict[str, float]]) -> str:
     return "\n".join(lines)
 
 
-def run_demo(out: Path, config_paths: Optional[list[Path]] = None, quiet: bool = False) -> Path:
-    configs: list[TrainConfig] = [load_train_config(p) for p in (config_paths or default_demo_configs())]
+def run_demo(out: Path, config_paths: Optional[list[Path]] = None, jobs: Optional[int] = None,
+             quiet: bool = False) -> Path:
+    """Train every config into out/<name>, write out/demo.json and out/demo.png; return the JSON path.
+
+    `jobs` runs go at once (default: one per config, at most one per core), each with
+    cores // jobs threads unless its config sets `threads`.
+    """
+    configs = [load_train_config(p) for p in (config_paths or default_demo_configs())]
+    names = [c.run_name for c in configs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"demo configs need distinct names, got {names}")
     tasks = {(c.task.name, c.task.train_length) for c in configs}
     if len(tasks) != 1:
         raise ValueError(f"demo configs must share one task and training length, got {sorted(tasks)}")
     task, train_length = tasks.pop()
+    cores = os.cpu_count() or 1
+    jobs = jobs or max(1, min(len(configs), cores))
+    configs = [c if c.threads else c.replace(threads=max(1, cores // jobs)) for c in configs]
+    if jobs == 1:
+        runs = [train(cfg, out / cfg.run_name, quiet=quiet) for cfg in configs]
+    else:
+        if not quiet:
+            print(f"training {', '.join(names)} side by side ({jobs} processes)", flush=True)
+        with ProcessPoolExecutor(jobs, mp_context=get_context("spawn")) as pool:
+            runs = list(pool.map(partial(train, quiet=True), configs, [out / cfg.run_name for cfg in configs]))
     results, details = {}, {}
-    for cfg in configs:
-        run = train(cfg, out / cfg.run_name, quiet=quiet)
+    for cfg, run in zip(configs, runs):
         results[cfg.run_name] = {str(k): v["accuracy"] for k, v in run.evaluation.items()}
-        details[cfg.run_name] = {"variant": cfg.model.variant, "steps": run.step, "train_seconds": run.seconds,
-                                 "window": cfg.model.window, "final_train_loss": run.final_loss}
-        print(f"{cfg.run_name}: {run.step} steps in {run.seconds:.0f} s, "
-              f"accuracy {results[cfg.run_name]}", flush=True)
+        details[cfg.run_name] = {"variant": cfg.model.variant, "window": cfg.model.window, "steps": run.step,
+                                 "train_seconds": round(run.seconds, 1), "num_parameters": run.num_parameters,
+                                 "final_train_loss": run.final_loss}
+        print(f"{cfg.run_name}: {run.num_parameters} parameters, {run.step} steps in {run.seconds:.0f} s, "
+              f"final training loss {run.final_loss:.3f}", flush=True)
     windows = {c.model.window for c in configs if c.model.variant in ("swa", "mag", "mal")}
     print(format_table(results), flush=True)
     plot_results(results, train_length, min(windows) if windows else None, task, out / "demo.png")

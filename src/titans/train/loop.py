@@ -1,21 +1,25 @@
 """The training loop: AdamW, warmup + cosine, clipping, accumulation, DDP, checkpoints, JSONL metrics.
 
-Determinism: the data of step s, micro-step m is drawn from a generator seeded by (seed, s, m), as one
-global batch that every rank slices, so a resumed run sees exactly the data an uninterrupted one would,
-and N ranks see exactly the global batch one rank would. The loss is a sum over scored positions
-divided by the global count (times the world size, which DDP's gradient averaging divides back out),
-so the gradient equals the single-process gradient of the global batch.
+Determinism. Row i of the global batch of step s is drawn from its own generator, seeded by
+(seed, s, i). A rank draws only its rows, so a resumed run sees exactly the data an uninterrupted
+one would, and any number of ranks and accumulation steps see exactly the global batch one process
+would. The loss of a step is the sum over every scored position of the global batch divided by the
+global count of scored positions (each rank scales its sum by world_size / count, which DDP's
+gradient averaging divides back out), so the gradient is the single-process gradient of the
+global batch. Evaluation sets are drawn the same way from (length, row) and do not depend on the
+training seed: every model is scored on the same sequences.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -25,8 +29,44 @@ from tqdm.auto import tqdm
 
 from ..models import ForecastHead, TitansEncoder, TitansLM
 from ..tasks import IGNORE_INDEX, Task, TokenBatch, bits_per_byte, exact_match, get_task, token_accuracy
-from .checkpoint import latest_checkpoint, load_trainer_state, load_weights, save_checkpoint
-from .config import OptimConfig, TrainConfig
+from ..tasks.base import Batch
+from .checkpoint import (latest_checkpoint, load_checkpoint_config, load_trainer_state, load_weights,
+                         save_checkpoint)
+from .config import OptimConfig, TrainConfig, check_model_fits_task, resume_mismatches
+
+TRAIN_STREAM, EVAL_STREAM = 1, 2  # keep the training and evaluation data streams disjoint
+_MASK64 = (1 << 64) - 1
+
+
+def derive_seed(*parts: int) -> int:
+    """A 63-bit seed from integers: SplitMix64's finaliser chained over the parts (stable across
+    processes and Python versions, unlike `hash`)."""
+    state = 0
+    for part in parts:
+        state = (state ^ (part & _MASK64)) + 0x9E3779B97F4A7C15 & _MASK64
+        state = (state ^ (state >> 30)) * 0xBF58476D1CE4E5B9 & _MASK64
+        state = (state ^ (state >> 27)) * 0x94D049BB133111EB & _MASK64
+        state ^= state >> 31
+    return state >> 1
+
+
+def sample_rows(task: Task, rows: range, length: int, *stream: int) -> Batch:
+    """Rows `rows` of a batch whose row i comes from a generator seeded by (*stream, i)."""
+    parts = [task.sample(1, length, torch.Generator().manual_seed(derive_seed(*stream, i))) for i in rows]
+    return type(parts[0])(*(torch.cat(tensors) for tensors in zip(*parts)))
+
+
+def resolve_device(name: str, index: int = 0) -> torch.device:
+    """"cpu", "cuda" (the `index`-th GPU: the local rank) or "auto" (cuda when available)."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("device is cuda but torch.cuda.is_available() is False; use device=cpu or auto")
+        return torch.device("cuda", index % torch.cuda.device_count())
+    if name != "cpu":
+        raise ValueError(f"device must be cpu, cuda or auto, got {name!r}")
+    return torch.device("cpu")
 
 
 def build_task(cfg: TrainConfig) -> Task:
@@ -34,16 +74,16 @@ def build_task(cfg: TrainConfig) -> Task:
 
 
 def build_model(cfg: TrainConfig, task: Task) -> nn.Module:
+    """A TitansLM for token tasks; a TitansEncoder with a next-step forecasting head for series tasks."""
+    check_model_fits_task(cfg.model, task)
     if task.vocab_size is not None:
-        if cfg.model.vocab_size < task.vocab_size:
-            raise ValueError(f"model.vocab_size ({cfg.model.vocab_size}) is smaller than task {task.name}'s "
-                             f"vocabulary ({task.vocab_size})")
         return TitansLM(cfg.model)
     return ForecastHead(TitansEncoder(embed_dim=task.num_features, config=cfg.model))
 
 
 def lr_at(step: int, optim: OptimConfig, total_steps: int) -> float:
-    """Linear warmup to optim.lr, then cosine to optim.lr * min_lr_ratio at total_steps."""
+    """Learning rate of (0-based) `step`: linear warmup to optim.lr over warmup_steps, then cosine
+    decay that reaches lr * min_lr_ratio at total_steps."""
     if step < optim.warmup_steps:
         return optim.lr * (step + 1) / optim.warmup_steps
     progress = min(1.0, (step - optim.warmup_steps) / max(1, total_steps - optim.warmup_steps))
@@ -52,52 +92,64 @@ def lr_at(step: int, optim: OptimConfig, total_steps: int) -> float:
 
 
 def make_optimizer(model: nn.Module, optim: OptimConfig) -> torch.optim.AdamW:
-    """AdamW; no weight decay on vectors (norm weights, biases, gates' biases) or embeddings."""
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        (no_decay if p.dim() < 2 or "embed" in name else decay).append(p)
-    groups = [{"params": decay, "weight_decay": optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=optim.lr, betas=optim.betas)
+    """AdamW; weight decay only on the matrices of nn.Linear and nn.LSTM layers.
+
+    No decay on norms, biases, embeddings (also when tied to the output layer), persistent tokens,
+    conv kernels or the memory's initial weights W_0: the last is a learned starting state that the
+    inner loop already decays through its forgetting gate α.
+    """
+    embedding_ids = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
+    decay_ids = {id(p) for m in model.modules() if isinstance(m, (nn.Linear, nn.LSTM))
+                 for p in m.parameters(recurse=False) if p.dim() >= 2 and id(p) not in embedding_ids}
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if id(p) in decay_ids], "weight_decay": optim.weight_decay},
+              {"params": [p for p in params if id(p) not in decay_ids], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=optim.lr, betas=optim.betas, eps=optim.eps)
 
 
-def batch_generator(seed: int, step: int, micro: int) -> torch.Generator:
-    return torch.Generator().manual_seed(hash((seed, step, micro)) % (2**63))
-
-
-def loss_terms(model: nn.Module, batch, device) -> tuple[Tensor, Tensor, Tensor]:
-    """(sum of per-position losses over scored positions, number of scored positions, model outputs)."""
-    inputs, targets = batch.inputs.to(device), batch.targets.to(device)
-    outputs, _ = model(inputs)
+def scored_positions(batch: Batch) -> int:
     if isinstance(batch, TokenBatch):
-        total = F.cross_entropy(outputs.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX,
-                                reduction="sum")
-        return total, (targets != IGNORE_INDEX).sum(), outputs
-    return F.mse_loss(outputs.float(), targets, reduction="sum"), torch.tensor(targets.numel()), outputs
+        return int((batch.targets != IGNORE_INDEX).sum())
+    return batch.targets.numel()
+
+
+def loss_terms(model: nn.Module, batch: Batch, device: torch.device) -> tuple[Tensor, Tensor]:
+    """(sum of the per-position losses over the scored positions, model outputs); cross-entropy for
+    token tasks, squared error for series."""
+    dtype = next(model.parameters()).dtype
+    inputs, targets = batch.inputs.to(device), batch.targets.to(device)
+    if isinstance(batch, TokenBatch):
+        outputs, _ = model(inputs)
+        total = F.cross_entropy(outputs.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+        return total, outputs
+    outputs, _ = model(inputs.to(dtype))
+    return F.mse_loss(outputs, targets.to(dtype), reduction="sum"), outputs
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, task: Task, lengths: list[int], batches: int, batch_size: int, seed: int,
-             device="cpu") -> dict[int, dict[str, float]]:
-    """Per length: loss (and exact-match / token accuracy, or bits per byte) on a fixed seeded set."""
+def evaluate(model: nn.Module, task: Task, lengths: list[int], batches: int, batch_size: int, seed: int = 0,
+             device: torch.device | str = "cpu") -> dict[int, dict[str, float]]:
+    """Per length, on `batches` x `batch_size` sequences drawn from (seed, length, row): mean loss per
+    scored position, and for token tasks exact-match accuracy (rows with every scored token right)
+    and token accuracy, and bits per byte for the byte-level LM."""
     was_training = model.training
     model.eval()
     results = {}
     for length in lengths:
-        total, count, matches, rows, token_right = 0.0, 0, 0.0, 0, 0.0
+        loss_sum, count, matches, right = 0.0, 0, 0.0, 0.0
         for b in range(batches):
-            batch = task.sample(batch_size, length, torch.Generator().manual_seed(10_000_019 * (seed + 1) + b))
-            loss_sum, n, logits = loss_terms(model, batch, device)
-            total, count = total + loss_sum.item(), count + int(n)
+            batch = sample_rows(task, range(b * batch_size, (b + 1) * batch_size), length, EVAL_STREAM, seed, length)
+            batch_loss, outputs = loss_terms(model, batch, torch.device(device))
+            n = scored_positions(batch)
+            loss_sum, count = loss_sum + batch_loss.item(), count + n
             if isinstance(batch, TokenBatch):
-                matches += exact_match(logits, batch.targets.to(device)).sum().item()
-                token_right += token_accuracy(logits, batch.targets.to(device)).item() * int(n)
-                rows += batch.inputs.shape[0]
-        metrics = {"loss": total / max(count, 1)}
-        if rows:
-            metrics["accuracy"] = matches / rows
-            metrics["token_accuracy"] = token_right / max(count, 1)
+                targets = batch.targets.to(outputs.device)
+                matches += exact_match(outputs, targets).sum().item()
+                right += token_accuracy(outputs, targets).item() * n
+        metrics = {"loss": loss_sum / max(count, 1)}
+        if task.vocab_size is not None:
+            metrics["accuracy"] = matches / (batches * batch_size)
+            metrics["token_accuracy"] = right / max(count, 1)
             if task.name == "lm_bytes":
                 metrics["bits_per_byte"] = bits_per_byte(metrics["loss"])
         results[length] = metrics
@@ -105,16 +157,67 @@ def evaluate(model: nn.Module, task: Task, lengths: list[int], batches: int, bat
     return results
 
 
+def tensorboard_writer(path: Path) -> Optional[Any]:
+    """A TensorBoard SummaryWriter, or None when the tensorboard package is not installed."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        return None
+    return SummaryWriter(str(path))
+
+
+class MetricsLog:
+    """Appends records to run_dir/metrics.jsonl, and their numbers to TensorBoard when it is installed."""
+
+    def __init__(self, run_dir: Path, tensorboard: bool):
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.writer = tensorboard_writer(Path(run_dir) / "tensorboard") if tensorboard else None
+
+    def write(self, record: dict[str, Any]) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.writer is not None:
+            for key, value in _scalars(record):
+                self.writer.add_scalar(key, value, record["step"])
+
+    def truncate(self, step: int) -> None:
+        """Drop the records a resumed run will write again: those after `step`, and the final evaluation."""
+        if not self.path.is_file():
+            return
+        records = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+        kept = [r for r in records if r["step"] <= step and not r.get("final")]
+        self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+def _scalars(record: dict[str, Any], prefix: str = "") -> list[tuple[str, float]]:
+    out = []
+    for key, value in record.items():
+        if isinstance(value, dict):
+            out += _scalars(value, f"{prefix}{key}/")
+        elif isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step":
+            out.append((f"{prefix}{key}", float(value)))
+    return out
+
+
 @dataclass
 class TrainResult:
     step: int
-    final_loss: float
-    evaluation: dict[int, dict[str, float]] = field(default_factory=dict)
-    seconds: float = 0.0
+    final_loss: float  # training loss of the last step
+    evaluation: dict[int, dict[str, float]] = field(default_factory=dict)  # empty on ranks other than 0
+    seconds: float = 0.0  # training time, evaluation excluded
+    num_parameters: int = 0
 
 
 class Trainer:
-    """Runs one TrainConfig into `run_dir` (metrics.jsonl, checkpoints/, final eval.json)."""
+    """Runs one TrainConfig into `run_dir` (config.yaml, metrics.jsonl, checkpoints/, eval.json).
+
+    Under torch.distributed (torchrun) the model is wrapped in DistributedDataParallel, each rank
+    takes its share of the global batch, and rank 0 alone logs, checkpoints and evaluates.
+    """
 
     def __init__(self, cfg: TrainConfig, run_dir: Path, quiet: bool = False):
         self.cfg, self.run_dir, self.quiet = cfg, Path(run_dir), quiet
@@ -122,62 +225,71 @@ class Trainer:
         self.rank = dist.get_rank() if self.distributed else 0
         self.world = dist.get_world_size() if self.distributed else 1
         if cfg.batch_size % (self.world * cfg.optim.grad_accum):
-            raise ValueError(f"batch_size ({cfg.batch_size}) must be divisible by world size ({self.world}) "
-                             f"x grad_accum ({cfg.optim.grad_accum})")
-        if cfg.device == "auto":
-            self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        else:
-            self.device = torch.device(cfg.device)
+            raise ValueError(f"batch_size ({cfg.batch_size}) must be divisible by the world size ({self.world}) "
+                             f"x optim.grad_accum ({cfg.optim.grad_accum})")
+        if cfg.threads is not None:
+            torch.set_num_threads(cfg.threads)
+        self.device = resolve_device(cfg.device, int(os.environ.get("LOCAL_RANK", self.rank)))
         torch.manual_seed(cfg.seed)
         self.task = build_task(cfg)
-        self.model = build_model(cfg, self.task).to(self.device)
+        self.model = build_model(cfg, self.task).to(self.device, getattr(torch, cfg.dtype))
         self.train_model: nn.Module = self.model
         if self.distributed:
-            self.train_model = nn.parallel.DistributedDataParallel(self.model)
+            device_ids = [self.device.index] if self.device.type == "cuda" else None
+            self.train_model = nn.parallel.DistributedDataParallel(self.model, device_ids=device_ids)
         self.optimizer = make_optimizer(self.model, cfg.optim)
         self.step = 0
         self.train_seconds = 0.0
         self.skipped_steps = 0
+        self.saved_step: Optional[int] = None
+        self.metrics = MetricsLog(self.run_dir, cfg.tensorboard) if self.rank == 0 else None
 
     # --------------------------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "optimizer": self.optimizer.state_dict(), "torch_rng": torch.get_rng_state(),
+        cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
+        return {"step": self.step, "optimizer": self.optimizer.state_dict(),
+                "rng": {"cpu": torch.get_rng_state(), "cuda": cuda_rng},
                 "train_seconds": self.train_seconds, "skipped_steps": self.skipped_steps}
 
     def save(self) -> None:
+        """Checkpoint the current step (rank 0; once per step)."""
+        if self.saved_step == self.step:
+            return
         if self.rank == 0:
-            save_checkpoint(self.run_dir, self.step, self.model, self.state_dict(), self.cfg)
+            save_checkpoint(self.run_dir, self.step, self.model, self.state_dict(), self.cfg,
+                            keep=self.cfg.keep_checkpoints)
+        self.saved_step = self.step
         if self.distributed:
             dist.barrier()
 
     def resume(self) -> bool:
+        """Continue from the run directory's latest checkpoint; False (start at step 0) when it has none."""
         path = latest_checkpoint(self.run_dir)
         if path is None:
+            if self.metrics is not None:
+                self.metrics.truncate(0)
             return False
+        mismatches = resume_mismatches(load_checkpoint_config(path), self.cfg)
+        if mismatches:
+            raise ValueError(f"--resume: the config differs from checkpoint {path} in {', '.join(mismatches)}")
         load_weights(path, self.model)
         state = load_trainer_state(path)
-        self.optimizer.load_state_dict(state["optimizer"])
-        torch.set_rng_state(state["torch_rng"])
-        self.step, self.train_seconds = state["step"], state.get("train_seconds", 0.0)
-        self.skipped_steps = state.get("skipped_steps", 0)
-        self._truncate_metrics()
+        try:
+            self.optimizer.load_state_dict(state["optimizer"])
+        except (ValueError, KeyError, RuntimeError) as err:
+            raise ValueError(f"checkpoint {path}: optimizer state does not match the model: {err}") from None
+        torch.set_rng_state(state["rng"]["cpu"])
+        if state["rng"]["cuda"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+        self.step, self.train_seconds, self.skipped_steps = state["step"], state["train_seconds"], state["skipped_steps"]
+        self.saved_step = self.step
+        if self.metrics is not None:
+            self.metrics.truncate(self.step)
         return True
 
-    def _truncate_metrics(self) -> None:
-        """Drop metric lines written after the checkpoint we resume from (they will be written again)."""
-        path = self.run_dir / "metrics.jsonl"
-        if self.rank or not path.is_file():
-            return
-        kept = [line for line in path.read_text().splitlines() if line and json.loads(line).get("step", 0) <= self.step]
-        path.write_text("".join(line + "\n" for line in kept))
-
-    def log(self, record: dict[str, Any]) -> None:
-        if self.rank == 0:
-            with open(self.run_dir / "metrics.jsonl", "a") as f:
-                f.write(json.dumps(record) + "\n")
-
     # ---------------------------------------------------------------------------------------- loop
-    def train_step(self) -> float:
+    def train_step(self) -> tuple[float, float, float]:
+        """One optimiser step on the global batch of `self.step`: (loss, learning rate, gradient norm)."""
         cfg = self.cfg
         accum = cfg.optim.grad_accum
         micro_size = cfg.batch_size // accum
@@ -185,61 +297,64 @@ class Trainer:
         lr = lr_at(self.step, cfg.optim, cfg.steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        batches = [self.task.sample(micro_size, cfg.task.train_length, batch_generator(cfg.seed, self.step, m))
-                   for m in range(accum)]
-        global_count = sum(int(self._count(b)) for b in batches)
-        self.optimizer.zero_grad(set_to_none=True)
-        total = 0.0
-        for m, batch in enumerate(batches):
-            local = type(batch)(*(t[self.rank * per_rank : (self.rank + 1) * per_rank] for t in batch))
-            loss_sum, _, _ = loss_terms(self.train_model, local, self.device)
-            (loss_sum * self.world / global_count).backward()
-            total += loss_sum.item()
+        batches = []
+        for m in range(accum):
+            first = m * micro_size + self.rank * per_rank
+            batches.append(sample_rows(self.task, range(first, first + per_rank), cfg.task.train_length,
+                                       TRAIN_STREAM, cfg.seed, self.step))
+        global_count = torch.tensor(float(sum(scored_positions(b) for b in batches)), device=self.device)
         if self.distributed:
-            summed = torch.tensor([total], dtype=torch.float64)
-            dist.all_reduce(summed)
-            total = summed.item()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.optim.grad_clip or float("inf"))
+            dist.all_reduce(global_count)
+        scale = self.world / global_count.clamp_min(1)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        for m, batch in enumerate(batches):
+            # gradients are all-reduced once, after the last micro-batch
+            syncing = not self.distributed or m == accum - 1
+            with contextlib.nullcontext() if syncing else self.train_model.no_sync():
+                batch_loss, _ = loss_terms(self.train_model, batch, self.device)
+                (batch_loss * scale).backward()
+            loss_sum += batch_loss.detach()
+        if self.distributed:
+            dist.all_reduce(loss_sum)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.optim.grad_clip or math.inf)
         if torch.isfinite(grad_norm):
             self.optimizer.step()
         else:
             # A rare overflow in the backward pass through the inner recurrence: skip this update (as
             # mixed-precision training does) instead of writing NaN into the weights; it is logged.
             self.skipped_steps += 1
-        self.last_grad_norm = float(grad_norm)
-        self.last_lr = lr
-        return total / global_count
-
-    @staticmethod
-    def _count(batch) -> int:
-        if isinstance(batch, TokenBatch):
-            return int((batch.targets != IGNORE_INDEX).sum())
-        return batch.targets.numel()
+        return (loss_sum / global_count.clamp_min(1)).item(), lr, grad_norm.item()
 
     def run(self) -> TrainResult:
         cfg = self.cfg
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.rank == 0:
+            cfg.to_yaml(self.run_dir / "config.yaml")
         self.model.train()
-        bar = tqdm(total=cfg.steps, initial=self.step, disable=self.quiet or self.rank != 0, desc=cfg.run_name,
-                   dynamic_ncols=True, leave=False)
-        loss = float("nan")
-        tokens_per_step = cfg.batch_size * cfg.task.train_length
+        bar = tqdm(total=cfg.steps, initial=self.step, desc=cfg.run_name, dynamic_ncols=True, leave=False,
+                   disable=True if self.quiet or self.rank else None)  # None: off when not a terminal
+        loss = math.nan
+        window_start, window_steps = time.perf_counter(), 0
         while self.step < cfg.steps:
             start = time.perf_counter()
-            loss = self.train_step()
+            loss, lr, grad_norm = self.train_step()
             if not math.isfinite(loss):
                 raise ValueError(f"training diverged at step {self.step} (loss {loss}); lower optim.lr or model.max_lr")
-            elapsed = time.perf_counter() - start
-            self.train_seconds += elapsed
+            self.train_seconds += time.perf_counter() - start
             self.step += 1
+            window_steps += 1
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.4f}")
             if self.step % cfg.log_every == 0 or self.step == cfg.steps:
-                self.log({"step": self.step, "loss": loss, "lr": self.last_lr, "grad_norm": self.last_grad_norm,
-                          "skipped_steps": self.skipped_steps,
-                          "tokens_per_s": tokens_per_step / elapsed})
+                now = time.perf_counter()
+                tokens = window_steps * cfg.batch_size * cfg.task.train_length
+                self._log({"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+                           "tokens_per_s": tokens / (now - window_start), "skipped_steps": self.skipped_steps,
+                           "train_seconds": self.train_seconds})
+                window_start, window_steps = now, 0
             if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < cfg.steps:
-                self.log({"step": self.step, "eval": self._evaluate([cfg.task.train_length])})
+                self._log({"step": self.step, "eval": self._evaluate([cfg.task.train_length])})
             out_of_time = cfg.time_budget_s is not None and self.train_seconds >= cfg.time_budget_s
             if (cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0) or out_of_time:
                 self.save()
@@ -248,29 +363,45 @@ class Trainer:
         bar.close()
         self.save()
         evaluation = self._evaluate(cfg.task.eval_lengths)
-        self.log({"step": self.step, "eval": evaluation})
+        num_parameters = sum(p.numel() for p in self.model.parameters())
         if self.rank == 0:
+            self._log({"step": self.step, "final": True, "eval": evaluation})
             (self.run_dir / "eval.json").write_text(json.dumps(
                 {"name": cfg.run_name, "task": cfg.task.name, "train_length": cfg.task.train_length,
-                 "step": self.step, "train_seconds": self.train_seconds,
-                 "num_parameters": sum(p.numel() for p in self.model.parameters()),
+                 "step": self.step, "train_seconds": self.train_seconds, "num_parameters": num_parameters,
                  "results": {str(k): v for k, v in evaluation.items()}}, indent=2))
-        return TrainResult(self.step, loss, evaluation, self.train_seconds)
+            self.metrics.close()
+        return TrainResult(self.step, loss, evaluation, self.train_seconds, num_parameters)
+
+    def _log(self, record: dict[str, Any]) -> None:
+        if self.metrics is not None:
+            self.metrics.write(record)
 
     def _evaluate(self, lengths: list[int]) -> dict[int, dict[str, float]]:
-        per_batch = max(1, min(self.cfg.batch_size, 16))
-        return evaluate(self.model, self.task, lengths, self.cfg.eval_batches, per_batch, self.cfg.seed, self.device)
+        if self.rank:
+            return {}
+        return evaluate(self.model, self.task, lengths, self.cfg.eval_batches, self.cfg.eval_batch_size,
+                        device=self.device)
 
 
-def setup_distributed() -> bool:
-    """Initialise torch.distributed from torchrun's environment (gloo on CPU, nccl on GPU)."""
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or dist.is_initialized():
-        return dist.is_available() and dist.is_initialized()
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+def setup_distributed(device: str = "cpu") -> bool:
+    """Initialise torch.distributed from torchrun's environment (nccl for cuda, gloo for cpu).
+
+    Returns whether this process is one rank of several.
+    """
+    if dist.is_available() and dist.is_initialized():
+        return True
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return False
+    local = resolve_device(device, int(os.environ.get("LOCAL_RANK", "0")))
+    if local.type == "cuda":
+        torch.cuda.set_device(local)
+    dist.init_process_group("nccl" if local.type == "cuda" else "gloo")
     return True
 
 
 def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, quiet: bool = False) -> TrainResult:
+    """Train `cfg` into `run_dir`; with `resume`, continue from its latest checkpoint."""
     trainer = Trainer(cfg, run_dir, quiet=quiet)
     if resume:
         trainer.resume()
