@@ -1,4 +1,4 @@
-"""`titans demo` end to end with tiny configs: table, PNG, JSON whose path is the last line."""
+"""`titans demo` end to end with tiny configs: runs side by side, table, PNG, JSON whose path is the last line."""
 
 import json
 
@@ -6,35 +6,47 @@ import yaml
 from typer.testing import CliRunner
 
 from titans.cli import app
+from titans.train.demo import format_table
 
 
-def tiny(tmp_path, name, variant):
+def tiny_demo_config(tmp_path, tiny_config, name, variant):
+    data = yaml.safe_load(tiny_config.read_text())
+    data.update(name=name, steps=3, checkpoint_every=0)
+    data["model"].update(variant=variant, window=8)
+    data["task"]["eval_lengths"] = [24, 48, 96, 192]
     path = tmp_path / f"{name}.yaml"
-    path.write_text(yaml.safe_dump({
-        "name": name,
-        "model": {"variant": variant, "dim": 16, "depth": 1, "heads": 2, "window": 8, "chunk_size": 4},
-        "task": {"name": "passkey", "options": {"vocab": 16, "num_values": 8}, "train_length": 24,
-                 "eval_lengths": [24, 48, 96, 192]},
-        "steps": 3, "batch_size": 4, "eval_batches": 1, "checkpoint_every": 0,
-    }))
+    path.write_text(yaml.safe_dump(data))
     return path
 
 
-def test_demo_writes_table_plot_and_json(tmp_path):
-    configs = [tiny(tmp_path, "titans-lmm", "lmm"), tiny(tmp_path, "swa-baseline", "swa")]
+def test_demo_writes_table_plot_and_json(tmp_path, tiny_config):
+    configs = [tiny_demo_config(tmp_path, tiny_config, "titans-lmm", "lmm"),
+               tiny_demo_config(tmp_path, tiny_config, "swa-baseline", "swa")]
     out = tmp_path / "demo"
-    args = ["demo", "--out", str(out), "--quiet"] + [a for c in configs for a in ("--configs", str(c))]
+    args = ["demo", "--out", str(out), "--jobs", "2"] + [a for c in configs for a in ("--configs", str(c))]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
-    last = result.output.strip().splitlines()[-1]
-    assert last == str(out / "demo.json")
+    lines = result.stdout.strip().splitlines()
+    assert lines[-1] == str(out / "demo.json")
     data = json.loads((out / "demo.json").read_text())
     assert data["task"] == "passkey" and data["train_length"] == 24
-    assert set(data["results"]) == {"titans-lmm", "swa-baseline"}
-    assert any("swa" in name for name in data["results"])
-    assert set(data["results"]["titans-lmm"]) == {"24", "48", "96", "192"}
-    assert all(0.0 <= acc <= 1.0 for accs in data["results"].values() for acc in accs.values())
-    assert (out / "demo.png").stat().st_size > 1000
-    assert "| titans-lmm |" in result.output
+    assert list(data["results"]) == ["titans-lmm", "swa-baseline"]
+    for name in data["results"]:
+        assert list(data["results"][name]) == ["24", "48", "96", "192"]
+        assert all(0.0 <= acc <= 1.0 for acc in data["results"][name].values())
+        # the run directories hold what the demo reports
+        assert json.loads((out / name / "eval.json").read_text())["results"]["96"]["accuracy"] == \
+            data["results"][name]["96"]
+        assert data["runs"][name]["steps"] == 3
+    assert (out / "demo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and (out / "demo.png").stat().st_size > 5000
+    assert format_table(data["results"]) in result.stdout
+
     again = CliRunner().invoke(app, args)  # the output directory is not overwritten without --force
-    assert again.exit_code == 2 and "already exists" in again.output
+    assert again.exit_code == 2 and "already exists" in again.stderr
+    assert json.loads((out / "demo.json").read_text()) == data
+
+
+def test_table_has_a_row_per_model_and_a_column_per_length():
+    table = format_table({"a": {"256": 1.0, "512": 0.5}, "swa": {"256": 0.75, "512": 0.125}})
+    assert table.splitlines() == ["| model | 256 | 512 |", "|---|---:|---:|", "| a | 1.000 | 0.500 |",
+                                  "| swa | 0.750 | 0.125 |"]

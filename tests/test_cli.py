@@ -1,0 +1,163 @@
+"""The command line: SIGKILL + resume end to end, train/eval/generate, one-line errors, no overwriting."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from titans.cli import app, main
+from titans.train.checkpoint import checkpoint_step, latest_checkpoint
+
+TINY = Path(__file__).parent / "train" / "tiny.yaml"
+runner = CliRunner()
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def weights(run_dir: Path) -> dict:
+    return load_file(str(latest_checkpoint(run_dir) / "model.safetensors"))
+
+
+def one_line_error(result) -> str:
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    return lines[0]
+
+
+def test_killed_run_resumes_to_identical_weights(tmp_path):
+    cli = [sys.executable, "-m", "titans.cli", "train", str(TINY), "steps=150", "checkpoint_every=4", "--quiet"]
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen(cli + ["--out", str(killed)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:  # kill it mid-run, after its second checkpoint
+        latest = latest_checkpoint(killed)
+        if latest is not None and checkpoint_step(latest) >= 8:
+            break
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL, proc.stderr.read().decode()[-2000:]
+    step_at_kill = checkpoint_step(latest_checkpoint(killed))
+    assert 8 <= step_at_kill < 150
+    assert not (killed / "eval.json").exists()
+
+    resumed = subprocess.run(cli + ["--out", str(killed), "--resume"], capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert resumed.stdout.splitlines()[-1] == str(killed / "eval.json")
+    straight = subprocess.run(cli + ["--out", str(tmp_path / "straight")], capture_output=True, text=True,
+                              timeout=300)
+    assert straight.returncode == 0, straight.stderr[-2000:]
+
+    one, two = weights(tmp_path / "straight"), weights(killed)
+    assert one.keys() == two.keys() and all(torch.equal(one[k], two[k]) for k in one)
+    def reproducible(run_dir):  # every logged number but the timings
+        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        return [{k: v for k, v in r.items() if k not in ("tokens_per_s", "train_seconds")} for r in records]
+
+    assert [r["step"] for r in reproducible(killed) if "loss" in r] == list(range(1, 151))  # none lost or twice
+    assert reproducible(killed) == reproducible(tmp_path / "straight")
+
+
+def test_train_eval_generate_and_never_overwrite(tmp_path):
+    out = tmp_path / "run"
+    result = runner.invoke(app, ["train", str(TINY), "--out", str(out), "--quiet", "train.steps=4"])
+    assert result.exit_code == 0, result.output
+    assert result.stdout.splitlines()[-1] == str(out / "eval.json")
+    assert yaml.safe_load((out / "config.yaml").read_text())["steps"] == 4
+
+    before = (out / "metrics.jsonl").read_text()
+    assert "already exists" in one_line_error(runner.invoke(app, ["train", str(TINY), "--out", str(out)]))
+    assert (out / "metrics.jsonl").read_text() == before
+
+    result = runner.invoke(app, ["eval", str(out), "--lengths", "24,40", "--batches", "2"])
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert lines[0].split() == ["length", "loss", "accuracy", "token_accuracy"]
+    assert [line.split()[0] for line in lines[1:3]] == ["24", "40"]
+    saved = json.loads(Path(lines[-1]).read_text())
+    assert saved["task"] == "passkey" and set(saved["results"]) == {"24", "40"}
+    assert float(lines[1].split()[2]) == pytest.approx(saved["results"]["24"]["accuracy"], abs=1e-4)
+
+    result = runner.invoke(app, ["generate", str(out), "--prompt", "3 4 5", "--max-new-tokens", "5",
+                                 "--temperature", "0"])
+    assert result.exit_code == 0, result.output
+    tokens = [int(t) for t in result.stdout.split()]
+    assert len(tokens) == 5 and all(0 <= t < 24 for t in tokens)
+
+    result = runner.invoke(app, ["train", str(TINY), "--out", str(out), "--force", "--quiet", "steps=2"])
+    assert result.exit_code == 0, result.output
+    assert checkpoint_step(latest_checkpoint(out)) == 2
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["train"], "Missing argument"),
+    (["train", str(TINY), "--bogus"], "No such option: --bogus"),
+    (["eval", "x", "--batches", "zero"], "--batches"),
+    (["nonsense"], "No such command"),
+])
+def test_usage_errors_are_one_line(argv, message, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["titans", *argv])
+    with pytest.raises(SystemExit) as exit_info:
+        main()
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and err.startswith("error: ") and message in err, err
+
+
+def test_bad_input_is_one_line_and_writes_nothing(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # default run directories would land here
+    assert "does not exist" in one_line_error(runner.invoke(app, ["train", "none.yaml"]))
+    (tmp_path / "bad.yaml").write_text("model: [unclosed")
+    assert "not valid YAML" in one_line_error(runner.invoke(app, ["train", "bad.yaml"]))
+    assert "unknown task 'chess'" in one_line_error(runner.invoke(app, ["train", str(TINY), "task.name=chess"]))
+    assert "model.dimm" in one_line_error(runner.invoke(app, ["train", str(TINY), "model.dimm=3"]))
+    assert "key.path=value" in one_line_error(runner.invoke(app, ["train", str(TINY), "steps"]))
+    (tmp_path / "text.csv").write_text("date,name\n2020-01-01,a\n2020-01-02,b\n")
+    csv_task = ["task.name=forecast_csv", "task.options={path: text.csv}"]
+    assert "no numeric columns" in one_line_error(runner.invoke(app, ["train", str(TINY), *csv_task]))
+    assert "not a titans run directory" in one_line_error(runner.invoke(app, ["train", str(TINY), "--resume"]))
+    assert "neither a checkpoint" in one_line_error(runner.invoke(app, ["eval", str(tmp_path)]))
+    assert "does not exist" in one_line_error(runner.invoke(app, ["generate", "missing", "--prompt", "1"]))
+    assert not (tmp_path / "runs").exists()
+
+
+def test_bad_checkpoints_and_prompts_are_one_line(tmp_path):
+    out = tmp_path / "run"
+    assert runner.invoke(app, ["train", str(TINY), "--out", str(out), "--quiet", "steps=2"]).exit_code == 0
+    checkpoint = latest_checkpoint(out)
+
+    def error(*argv):
+        return one_line_error(runner.invoke(app, list(argv)))
+
+    assert "longer than allowed (48)" in error("generate", str(out), "--prompt", " ".join(["3"] * 49))
+    assert "longer than allowed (2)" in error("generate", str(out), "--prompt", "1 2 3", "--max-prompt-tokens", "2")
+    assert "space-separated token ids" in error("generate", str(out), "--prompt", "hello")
+    assert "[0, 24)" in error("generate", str(out), "--prompt", "1 99")
+    assert "series task" in error("eval", str(out), "--task", "forecast_sine")
+    assert "smaller than task mqar" in error("eval", str(out), "--task", "mqar")
+    assert "--lengths" in error("eval", str(out), "--lengths", "24,x")
+    assert "length must be" in error("eval", str(out), "--lengths", "2")
+
+    config = yaml.safe_load((checkpoint / "config.yaml").read_text())
+    (checkpoint / "config.yaml").write_text(yaml.safe_dump({**config, "model": {**config["model"], "dim": 32}}))
+    assert "does not match the model" in error("eval", str(out))
+    (checkpoint / "config.yaml").write_text("steps: [")
+    assert "invalid config.yaml" in error("eval", str(out))
+    (checkpoint / "config.yaml").write_text(yaml.safe_dump(config))
+    (checkpoint / "model.safetensors").write_bytes(b"not a safetensors file")
+    assert "corrupt" in error("eval", str(out))
+    assert "corrupt" in error("train", str(TINY), "--out", str(out), "--resume", "steps=4")
