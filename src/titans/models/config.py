@@ -45,8 +45,10 @@ class TitansConfig(Config):
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.variant not in VARIANTS:
-            raise ValueError(f"variant must be one of {', '.join(VARIANTS)}; got {self.variant!r}")
+        choices = {"variant": VARIANTS, "memory_activation": ("gelu", "silu"), "gate_pooling": ("token", "chunk")}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {getattr(self, name)!r}")
         if self.dim % self.heads:
             raise ValueError(f"dim ({self.dim}) must be divisible by heads ({self.heads})")
         if (self.dim // self.heads) % 2:

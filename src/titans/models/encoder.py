@@ -1,17 +1,25 @@
 """`TitansEncoder` for continuous inputs (sensor data, time series) and its task heads.
 
-    x [batch, seq, embed_dim] → Linear → Titans blocks → hidden states [batch, seq, hidden_size]
+    x [batch, seq, embed_dim] → Linear → Titans blocks (any variant) → hidden states [batch, seq, hidden_size]
 
-Option names follow the common Titans encoder API: `embed_dim` (input features), `hidden_size`
-(model width), `memory_size` (hidden width of each memory MLP head), `num_layers`, `dropout`,
-`momentum` (η on/off), `window_size` (attention window; MAC segment length).
+Options follow the common Titans encoder API and map onto `TitansConfig`:
+    embed_dim    input features (the input projection's width)
+    hidden_size  model width (`dim`)
+    memory_size  hidden width of each memory head's MLP: `memory_expansion = memory_size // (hidden_size //
+                 heads)` (rounded down to a multiple of the head width); None keeps the default 4 × head width
+    num_layers   blocks (`depth`)
+    dropout      `dropout`
+    momentum     η on/off in the memory (`momentum`)
+    window_size  sliding-window length for SWA/MAG/MAL and segment length for MAC (`window`, `segment_len`)
+Anything else in TitansConfig can be passed as a keyword override, or pass a full `config`.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .config import TitansConfig
@@ -19,30 +27,40 @@ from .lm import Backbone, State
 
 
 class TitansEncoder(nn.Module):
+    """`forward(x [B, T, embed_dim], state=None) -> (last hidden state [B, hidden_size], state)`."""
+
     def __init__(self, embed_dim: int, hidden_size: int = 64, memory_size: Optional[int] = None, num_layers: int = 2,
                  dropout: float = 0.0, momentum: bool = True, window_size: int = 32, variant: str = "mag",
-                 heads: int = 4, chunk_size: int = 8, config: Optional[TitansConfig] = None, **config_overrides):
-        """Either the encoder options above, or a full `config` (then hidden_size = config.dim)."""
+                 heads: int = 4, chunk_size: int = 8, config: Optional[TitansConfig] = None, **config_overrides: Any):
         super().__init__()
         if embed_dim < 1:
             raise ValueError(f"embed_dim must be >= 1, got {embed_dim}")
-        if config is not None:
-            self.config = config
-            hidden_size = config.dim
-        else:
-            self.config = self._config_from_options(hidden_size, memory_size, num_layers, dropout, momentum,
-                                                    window_size, variant, heads, chunk_size, config_overrides)
-        self.embed_dim, self.hidden_size = embed_dim, hidden_size
-        self.input_proj = nn.Linear(embed_dim, hidden_size)
-        self.backbone = Backbone(self.config)
+        if config is None:
+            config = self.config_from_options(hidden_size, memory_size, num_layers, dropout, momentum, window_size,
+                                              variant, heads, chunk_size, **config_overrides)
+        elif config_overrides:
+            raise ValueError(f"pass either a config or option overrides, not both (got {sorted(config_overrides)})")
+        self.config = config
+        self.embed_dim, self.hidden_size = embed_dim, config.dim
+        self.input_proj = nn.Linear(embed_dim, config.dim)
+        self.backbone = Backbone(config)
 
     @staticmethod
-    def _config_from_options(hidden_size, memory_size, num_layers, dropout, momentum, window_size, variant, heads,
-                             chunk_size, config_overrides) -> TitansConfig:
-        config_overrides = dict(config_overrides)
+    def config_from_options(hidden_size: int, memory_size: Optional[int], num_layers: int, dropout: float,
+                            momentum: bool, window_size: int, variant: str, heads: int, chunk_size: int,
+                            **config_overrides: Any) -> TitansConfig:
+        """The TitansConfig the encoder options stand for (errors name the encoder's option)."""
+        for name, value in (("hidden_size", hidden_size), ("num_layers", num_layers), ("window_size", window_size),
+                            ("heads", heads)):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
         memory_heads = config_overrides.pop("memory_heads", None) or heads
-        head_width = hidden_size // memory_heads if hidden_size % memory_heads == 0 else hidden_size
-        expansion = max(1, (memory_size or 4 * head_width) // max(head_width, 1))
+        if hidden_size % heads or hidden_size % memory_heads:
+            raise ValueError(f"hidden_size ({hidden_size}) must be divisible by heads ({heads}, memory {memory_heads})")
+        head_width = hidden_size // memory_heads
+        if memory_size is not None and memory_size < head_width:
+            raise ValueError(f"memory_size ({memory_size}) must be >= the memory head width ({head_width})")
+        expansion = memory_size // head_width if memory_size is not None else 4
         return TitansConfig(
             variant=variant, vocab_size=1, dim=hidden_size, depth=num_layers, heads=heads, window=window_size,
             segment_len=window_size, memory_expansion=expansion, memory_heads=memory_heads, momentum=momentum,
@@ -50,33 +68,52 @@ class TitansEncoder(nn.Module):
         )
 
     def hidden_states(self, x: Tensor, state: Optional[State] = None) -> tuple[Tensor, State]:
+        """Every position's hidden state [batch, seq, hidden_size] (causal), and the state."""
         if x.dim() != 3 or x.shape[-1] != self.embed_dim:
             raise ValueError(f"x must be [batch, seq, {self.embed_dim}], got {tuple(x.shape)}")
         return self.backbone(self.input_proj(x), state)
 
     def forward(self, x: Tensor, state: Optional[State] = None) -> tuple[Tensor, State]:
-        """The last hidden state [batch, hidden_size] (and the state to continue the stream)."""
         h, state = self.hidden_states(x, state)
         return h[:, -1], state
 
 
-class ClassificationHead(nn.Module):
-    def __init__(self, encoder: TitansEncoder, num_classes: int):
+class LastStateHead(nn.Module):
+    """A linear map of the encoder's last hidden state: classification logits or regression outputs."""
+
+    def __init__(self, encoder: TitansEncoder, out_dim: int):
         super().__init__()
-        self.encoder, self.proj = encoder, nn.Linear(encoder.hidden_size, num_classes)
+        if out_dim < 1:
+            raise ValueError(f"out_dim must be >= 1, got {out_dim}")
+        self.encoder, self.proj = encoder, nn.Linear(encoder.hidden_size, out_dim)
 
     def forward(self, x: Tensor, state: Optional[State] = None) -> tuple[Tensor, State]:
         h, state = self.encoder(x, state)
         return self.proj(h), state
 
 
-class RegressionHead(ClassificationHead):
+class ClassificationHead(LastStateHead):
+    """Class logits [batch, num_classes] from the sequence; `loss` is cross-entropy."""
+
+    def __init__(self, encoder: TitansEncoder, num_classes: int):
+        super().__init__(encoder, num_classes)
+
+    def loss(self, x: Tensor, labels: Tensor) -> Tensor:
+        return F.cross_entropy(self(x)[0], labels)
+
+
+class RegressionHead(LastStateHead):
+    """Real outputs [batch, out_dim] from the sequence; `loss` is mean squared error."""
+
     def __init__(self, encoder: TitansEncoder, out_dim: int = 1):
         super().__init__(encoder, out_dim)
 
+    def loss(self, x: Tensor, targets: Tensor) -> Tensor:
+        return F.mse_loss(self(x)[0], targets)
+
 
 class ForecastHead(nn.Module):
-    """One-step-ahead forecasts at every position: [batch, seq, F] → [batch, seq, F]."""
+    """One-step-ahead forecasts at every position: [batch, seq, F] → [batch, seq, F] (output t predicts x_{t+1})."""
 
     def __init__(self, encoder: TitansEncoder, num_features: Optional[int] = None):
         super().__init__()
@@ -88,4 +125,4 @@ class ForecastHead(nn.Module):
         return self.proj(h), state
 
     def loss(self, x: Tensor, targets: Tensor) -> Tensor:
-        return torch.nn.functional.mse_loss(self(x)[0], targets)
+        return F.mse_loss(self(x)[0], targets)

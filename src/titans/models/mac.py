@@ -7,6 +7,10 @@ For each segment S⁽ᵗ⁾ of length C:
     M_t ← update the memory with y   (per token, chunk-parallel)
     o  = y ⊙ σ(M*_t(y))              gate with the updated memory, read per token (causal)
 
+The memory reads RMSNorm(y), not y: attention outputs are unnormalised, and writing them raw made
+the values (and with η → 1 the momentum) grow until the inner loop overflowed in our CPU runs;
+every other variant's memory already sees a normalised input (pre-norm blocks).
+
 (The best-known public implementation updates the memory before attention; we do not.) The gate σ
 is our choice for the paper's ⊗: the memory's output is unbounded, and a sigmoid keeps o a damped copy
 of y, as MAG's gate does. Causality inside a segment: h_j comes from x_j, so query i sees h_j only for
@@ -23,7 +27,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from ..layers import PersistentMemory, SegmentAttention, SegmentCache
+from ..layers import PersistentMemory, RMSNorm, SegmentAttention, SegmentCache
 from ..memory import MemoryState
 from .common import build_memory
 from .config import TitansConfig
@@ -45,6 +49,7 @@ class MACMixer(nn.Module):
         self.segment_len = cfg.segment_len
         self.persistent = PersistentMemory(cfg.n_persistent, cfg.dim) if cfg.n_persistent else None
         self.attention = SegmentAttention(cfg.dim, cfg.heads, cfg.segment_len, cfg.rope_base, cfg.dropout)
+        self.memory_norm = RMSNorm(cfg.dim)
         self.memory = build_memory(cfg)
 
     def _segment(self, x: Tensor, state: MACState) -> tuple[Tensor, MACState]:
@@ -52,7 +57,7 @@ class MACMixer(nn.Module):
         h, query_cache = self.memory.retrieve(x, state.segment_memory, state.query_cache)  # eq. 21
         persistent = self.persistent.tokens if self.persistent is not None else None
         y, attention = self.attention(x, h, persistent, state.attention)  # eq. 22
-        gate, memory = self.memory(y, state.memory)  # eqs. 23-24: write y, read M*_t(y) per token
+        gate, memory = self.memory(self.memory_norm(y), state.memory)  # eqs. 23-24: write y, read M*_t(y)
         out = y * torch.sigmoid(gate)  # eq. 25
         # At a segment boundary the next segment reads the memory as updated by this one.
         segment_memory = memory if attention.length == 0 else state.segment_memory
