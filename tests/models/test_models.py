@@ -213,3 +213,19 @@ def test_sampling_options():
         model.generate(prompt, 2, top_k=0)
     with pytest.raises(ValueError, match="temperature"):
         model.generate(prompt, 2, temperature=-1.0)
+
+
+def test_mac_follows_the_paper_order():
+    """MAC written out segment by segment: retrieve from the memory as it stood before the segment,
+    attend over [p ‖ h ‖ x], write the attention output into the memory, gate with the updated memory."""
+    mixer = tiny_model("mac").backbone.blocks[0].mixer
+    x = torch.randn(2, 14, 16, dtype=DT, generator=torch.Generator().manual_seed(6))  # segments 6, 6, 2
+    memory, query_cache, outputs = None, None, []
+    for start in range(0, 14, 6):
+        segment = x[:, start : start + 6]
+        h, query_cache = mixer.memory.retrieve(segment, memory, query_cache)  # memory before the segment
+        y, _ = mixer.attention(segment, h, mixer.persistent.tokens)
+        gate, memory = mixer.memory(mixer.memory_norm(y), memory)  # then the update, then the gate
+        outputs.append(y * torch.sigmoid(gate))
+    out, _ = mixer(x)
+    assert (out - torch.cat(outputs, 1)).abs().max() <= 1e-12
