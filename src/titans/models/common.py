@@ -54,7 +54,7 @@ class Block(nn.Module):
 
 
 def count_parameters(module: nn.Module) -> int:
-    return sum(p.numel() for p in {id(p): p for p in module.parameters()}.values())
+    return sum(p.numel() for p in module.parameters())  # parameters() counts a tied weight once
 
 
 def mlp_hidden_size(cfg: TitansConfig, build_mixer: Callable[[TitansConfig], nn.Module],
