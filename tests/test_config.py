@@ -62,6 +62,16 @@ def test_overrides_parse_yaml_values():
         apply_overrides({}, ["nonsense"])
 
 
+@pytest.mark.parametrize("text, number", [("1e9", 1e9), ("1.0e9", 1e9), ("3e-4", 3e-4), ("2.5E+3", 2500.0),
+                                          (".5", 0.5), ("7", 7)])
+def test_exponent_numbers_are_numbers(text, number, tmp_path):
+    # PyYAML alone reads `1e9` as the string "1e9" (YAML 1.1 wants `1.0e+9`)
+    assert apply_overrides({}, [f"rate={text}"])["rate"] == number
+    path = tmp_path / "c.yaml"
+    path.write_text(f"rate: {text}\n")
+    assert Outer.from_yaml(path).rate == number
+
+
 def test_missing_or_malformed_yaml(tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
         Outer.from_yaml(tmp_path / "nope.yaml")

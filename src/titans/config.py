@@ -8,12 +8,30 @@ YAML file never silently falls back to a default.
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from pathlib import Path
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin
 
 import yaml
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that also reads `1e9` and `3.0e-4` as numbers: YAML 1.1 (PyYAML's) needs a dot and a
+    signed exponent, so `lr: 1e-3` worked but `time_budget_s: 1e9` silently became a string."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?|\.[0-9_]+(?:[eE][-+]?[0-9]+)?"
+               r"|[0-9][0-9_]*[eE][-+]?[0-9]+|\.(?:inf|Inf|INF)|[-+]\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
+    list("-+0123456789."),
+)
+
+
+def load_yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
 
 C = TypeVar("C", bound="Config")
 
@@ -133,7 +151,7 @@ def read_yaml_mapping(path: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise ValueError(f"config file {path} does not exist")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = load_yaml(path.read_text())
     except yaml.YAMLError as err:
         raise ValueError(f"config file {path} is not valid YAML: {str(err).splitlines()[0]}") from None
     if not isinstance(data, dict):
@@ -143,7 +161,7 @@ def read_yaml_mapping(path: str | Path) -> dict[str, Any]:
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """Apply `a.b.c=value` overrides (value parsed as YAML) to a nested dict, returning a new dict."""
-    result = yaml.safe_load(yaml.safe_dump(data))  # deep copy through plain types
+    result = load_yaml(yaml.safe_dump(data))  # deep copy through plain types
     for item in overrides:
         if "=" not in item:
             raise ValueError(f"override {item!r} must look like key.path=value")
@@ -157,5 +175,5 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             if not isinstance(child, dict):
                 raise ValueError(f"override {key!r}: {part!r} is not a section")
             node = child
-        node[parts[-1]] = yaml.safe_load(raw)
+        node[parts[-1]] = load_yaml(raw)
     return result
