@@ -10,8 +10,9 @@ from __future__ import annotations
 import functools
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 import typer
 
@@ -46,9 +47,9 @@ def friendly(command: Callable) -> Callable:
 @friendly
 def train(
     config: Path = typer.Argument(..., help="YAML training config (see configs/)."),
-    overrides: Optional[list[str]] = typer.Argument(
+    overrides: list[str] | None = typer.Argument(
         None, help="Overrides like model.dim=64 steps=10 (top-level fields may also be written train.steps=10)."),
-    out: Optional[Path] = typer.Option(None, help="Run directory (default runs/<name>)."),
+    out: Path | None = typer.Option(None, help="Run directory (default runs/<name>)."),
     force: bool = typer.Option(False, help="Delete an existing run directory (made by titans) and start over."),
     resume: bool = typer.Option(False, help="Continue the run directory from its latest checkpoint."),
     quiet: bool = typer.Option(False, help="No progress bar."),
@@ -112,13 +113,13 @@ def load_for_inference(ckpt: Path, device: str):
 @friendly
 def eval_command(
     ckpt: Path = typer.Argument(..., help="Checkpoint directory, or a run directory (its latest checkpoint)."),
-    task: Optional[str] = typer.Option(None, help="Task name (default: the task it was trained on, same options)."),
-    lengths: Optional[str] = typer.Option(None, help="Comma-separated lengths (default: the config's eval_lengths)."),
-    batches: Optional[int] = typer.Option(None, min=1, help="Batches per length (default: the config's)."),
-    batch_size: Optional[int] = typer.Option(None, min=1, help="Sequences per batch (default: the config's)."),
+    task: str | None = typer.Option(None, help="Task name (default: the task it was trained on, same options)."),
+    lengths: str | None = typer.Option(None, help="Comma-separated lengths (default: the config's eval_lengths)."),
+    batches: int | None = typer.Option(None, min=1, help="Batches per length (default: the config's)."),
+    batch_size: int | None = typer.Option(None, min=1, help="Sequences per batch (default: the config's)."),
     seed: int = typer.Option(0, help="Evaluation set (0 is the set training reports on)."),
     device: str = typer.Option("cpu", help="cpu, cuda or auto."),
-    out: Optional[Path] = typer.Option(None, help="Results JSON (default: <checkpoint>/eval_<task>.json)."),
+    out: Path | None = typer.Option(None, help="Results JSON (default: <checkpoint>/eval_<task>.json)."),
 ) -> None:
     """Evaluate a checkpoint at several lengths: prints a table, writes a JSON (its path is the last line)."""
     from .tasks import get_task
@@ -156,10 +157,10 @@ def generate(
                                          "token ids."),
     max_new_tokens: int = typer.Option(64, min=0),
     temperature: float = typer.Option(0.8, min=0.0, help="0 is greedy."),
-    top_k: Optional[int] = typer.Option(None, min=1),
-    top_p: Optional[float] = typer.Option(None, min=0.0, max=1.0),
+    top_k: int | None = typer.Option(None, min=1),
+    top_p: float | None = typer.Option(None, min=0.0, max=1.0),
     seed: int = typer.Option(0, help="Sampling seed."),
-    max_prompt_tokens: Optional[int] = typer.Option(
+    max_prompt_tokens: int | None = typer.Option(
         None, min=1, help="Longest prompt accepted (default: the longest length the model was evaluated at)."),
     device: str = typer.Option("cpu", help="cpu, cuda or auto."),
 ) -> None:
@@ -197,8 +198,8 @@ def generate(
 def demo(
     out: Path = typer.Option(Path("runs/demo"), help="Output directory."),
     force: bool = typer.Option(False, help="Delete an existing output directory (made by titans) first."),
-    configs: Optional[list[Path]] = typer.Option(None, help="Training configs (default: configs/demo/*.yaml)."),
-    jobs: Optional[int] = typer.Option(None, min=1, help="Runs at once (default: one per config, at most one "
+    configs: list[Path] | None = typer.Option(None, help="Training configs (default: configs/demo/*.yaml)."),
+    jobs: int | None = typer.Option(None, min=1, help="Runs at once (default: one per config, at most one "
                                                          "per core)."),
     quiet: bool = typer.Option(False, help="No progress bars."),
 ) -> None:

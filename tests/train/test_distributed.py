@@ -26,8 +26,12 @@ def _rank(rank: int, world: int, port: int, config: str, overrides: list[str], r
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        result = train(load_train_config(config, overrides), Path(run_dir), quiet=True)
-        queue.put((rank, result.final_loss, result.evaluation))
+        result = train(load_train_config(config, overrides), Path(run_dir) / "full", quiet=True)
+        # rank 1 runs out of time after its first step, rank 0 never would: both must stop there together
+        budget = "1.0e-9" if rank == 1 else "1.0e9"
+        timed = train(load_train_config(config, overrides + [f"time_budget_s={budget}", "steps=50"]),
+                      Path(run_dir) / "timed", quiet=True)
+        queue.put((rank, result.final_loss, result.evaluation, timed.step))
     finally:
         torch.distributed.destroy_process_group()
 
@@ -43,14 +47,15 @@ def test_two_ranks_match_one_rank(tiny_config, tmp_path):
              for r in (0, 1)]
     for p in procs:
         p.start()
-    results = {rank: (loss, evaluation) for rank, loss, evaluation in (queue.get(timeout=240) for _ in procs)}
+    results = {rank: rest for rank, *rest in (queue.get(timeout=240) for _ in procs)}
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0
     assert results[0][0] == results[1][0]  # every rank reports the loss of the global batch
     assert results[0][0] == pytest.approx(single.final_loss, rel=1e-12)
     assert results[1][1] == {} and results[0][1][24] == pytest.approx(single.evaluation[24], rel=1e-9)
+    assert results[0][2] == results[1][2] == 1
     one = load_file(str(latest_checkpoint(tmp_path / "single") / "model.safetensors"))
-    two = load_file(str(latest_checkpoint(tmp_path / "ddp") / "model.safetensors"))  # written by rank 0
+    two = load_file(str(latest_checkpoint(tmp_path / "ddp" / "full") / "model.safetensors"))  # written by rank 0
     assert one.keys() == two.keys()
     assert max((one[k] - two[k]).abs().max().item() for k in one) < 1e-12

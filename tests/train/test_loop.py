@@ -7,8 +7,7 @@ import pytest
 import torch
 
 from titans.tasks import get_task
-from titans.train import OptimConfig, Trainer, build_model, build_task, evaluate, load_train_config, lr_at, train
-from titans.train import loop
+from titans.train import OptimConfig, Trainer, build_model, build_task, evaluate, load_train_config, loop, lr_at, train
 from titans.train.checkpoint import latest_checkpoint, list_checkpoints
 from titans.train.loop import derive_seed, make_optimizer, sample_rows
 
@@ -35,11 +34,11 @@ def test_derived_seeds_are_stable_and_distinct():
 
 def test_rows_do_not_depend_on_who_draws_them():
     task = get_task("mqar", vocab=64, num_pairs=4)
-    whole = sample_rows(task, range(0, 6), 32, 1, 0, 5)
-    halves = [sample_rows(task, range(0, 3), 32, 1, 0, 5), sample_rows(task, range(3, 6), 32, 1, 0, 5)]
+    whole = sample_rows(task, range(6), 32, 1, 0, 5)
+    halves = [sample_rows(task, range(3), 32, 1, 0, 5), sample_rows(task, range(3, 6), 32, 1, 0, 5)]
     assert torch.equal(whole.inputs, torch.cat([h.inputs for h in halves]))
     assert torch.equal(whole.targets, torch.cat([h.targets for h in halves]))
-    assert not torch.equal(whole.inputs, sample_rows(task, range(0, 6), 32, 1, 0, 6).inputs)  # next step
+    assert not torch.equal(whole.inputs, sample_rows(task, range(6), 32, 1, 0, 6).inputs)  # next step
 
 
 def test_weight_decay_only_on_linear_matrices(tiny_config):

@@ -3,5 +3,5 @@
 from .config import OptimConfig, TaskConfig, TrainConfig, load_train_config
 from .loop import Trainer, TrainResult, build_model, build_task, evaluate, lr_at, setup_distributed, train
 
-__all__ = ["OptimConfig", "TaskConfig", "TrainConfig", "load_train_config", "Trainer", "TrainResult", "build_model",
-           "build_task", "evaluate", "lr_at", "setup_distributed", "train"]
+__all__ = ["OptimConfig", "TaskConfig", "TrainConfig", "TrainResult", "Trainer", "build_model", "build_task",
+           "evaluate", "load_train_config", "lr_at", "setup_distributed", "train"]

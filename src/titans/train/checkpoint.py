@@ -20,7 +20,7 @@ import os
 import pickle
 import shutil
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from safetensors import SafetensorError
@@ -67,7 +67,7 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name[5:]))
 
 
-def latest_checkpoint(run_dir: Path) -> Optional[Path]:
+def latest_checkpoint(run_dir: Path) -> Path | None:
     found = list_checkpoints(run_dir)
     return found[-1] if found else None
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 from ..config import Config, apply_overrides, read_yaml_mapping
 from ..models.config import TitansConfig
@@ -88,10 +88,10 @@ class TrainConfig(Config):
     checkpoint_every: int = 100  # 0: only at the end (or when time_budget_s runs out)
     keep_checkpoints: int = 2  # newest checkpoints kept in run_dir/checkpoints
     log_every: int = 10
-    time_budget_s: Optional[float] = None  # stop (and checkpoint) once training took this long; None: no limit
+    time_budget_s: float | None = None  # stop (and checkpoint) once training took this long; None: no limit
     device: Literal["cpu", "cuda", "auto"] = "cpu"
     dtype: Literal["float32", "float64"] = "float32"  # parameter and activation dtype
-    threads: Optional[int] = None  # torch intra-op threads of this process; None: torch's default
+    threads: int | None = None  # torch intra-op threads of this process; None: torch's default
     tensorboard: bool = True  # also write run_dir/tensorboard when the tensorboard package is installed
 
     def validate(self) -> None:
@@ -131,8 +131,8 @@ def resume_mismatches(saved: TrainConfig, current: TrainConfig) -> list[str]:
             if key not in RESUMABLE_CHANGES and old.get(key) != new.get(key)]
 
 
-def load_train_config(path: Optional[str | Path] = None, overrides: Optional[list[str]] = None,
-                      data: Optional[dict[str, Any]] = None) -> TrainConfig:
+def load_train_config(path: str | Path | None = None, overrides: list[str] | None = None,
+                      data: dict[str, Any] | None = None) -> TrainConfig:
     """Read a YAML file (or take `data`), apply overrides, check the task, fill `model.vocab_size` from it.
 
     Overrides are `a.b=value` (value parsed as YAML); top-level fields may also be written with a

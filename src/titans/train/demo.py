@@ -16,7 +16,6 @@ from concurrent.futures import ProcessPoolExecutor
 from functools import partial
 from multiprocessing import get_context
 from pathlib import Path
-from typing import Optional
 
 from .config import load_train_config
 from .loop import train
@@ -31,25 +30,25 @@ def default_demo_configs() -> list[Path]:
     raise ValueError("no demo configs found (configs/demo/*.yaml); pass --configs")
 
 
-def plot_results(results: dict[str, dict[str, float]], train_length: int, window: Optional[int], task: str,
+def plot_results(results: dict[str, dict[str, float]], train_length: int, window: int | None, task: str,
                  path: Path) -> None:
-    """Accuracy against context length, one line per model, with the training length and window marked."""
+    """Accuracy against context length, one line per model, the training length marked."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
+    lengths = sorted({int(k) for by_length in results.values() for k in by_length})
     for name, by_length in results.items():
         ax.plot([int(k) for k in by_length], list(by_length.values()), marker="o", label=name)
-    ax.axvline(train_length, color="grey", linestyle=":", label=f"train length {train_length}")
-    if window:
-        ax.axvline(window, color="red", linestyle="--", alpha=0.5, label=f"attention window {window}")
+    ax.axvline(train_length, color="grey", linestyle=":", label=f"training length {train_length}")
     ax.set_xscale("log", base=2)
+    ax.set_xticks(lengths, [str(n) for n in lengths])
     ax.set_xlabel("context length (tokens)")
     ax.set_ylabel("exact-match accuracy")
     ax.set_ylim(-0.02, 1.02)
-    ax.set_title(f"{task}: accuracy vs context length")
+    ax.set_title(f"{task}: accuracy vs context length" + (f" (attention window {window})" if window else ""))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -66,7 +65,7 @@ def format_table(results: dict[str, dict[str, float]]) -> str:
     return "\n".join(lines)
 
 
-def run_demo(out: Path, config_paths: Optional[list[Path]] = None, jobs: Optional[int] = None,
+def run_demo(out: Path, config_paths: list[Path] | None = None, jobs: int | None = None,
              quiet: bool = False) -> Path:
     """Train every config into out/<name>, write out/demo.json and out/demo.png; return the JSON path.
 

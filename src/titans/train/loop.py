@@ -19,7 +19,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -30,8 +30,7 @@ from tqdm.auto import tqdm
 from ..models import ForecastHead, TitansEncoder, TitansLM
 from ..tasks import IGNORE_INDEX, Task, TokenBatch, bits_per_byte, exact_match, get_task, token_accuracy
 from ..tasks.base import Batch
-from .checkpoint import (latest_checkpoint, load_checkpoint_config, load_trainer_state, load_weights,
-                         save_checkpoint)
+from .checkpoint import latest_checkpoint, load_checkpoint_config, load_trainer_state, load_weights, save_checkpoint
 from .config import OptimConfig, TrainConfig, check_model_fits_task, resume_mismatches
 
 TRAIN_STREAM, EVAL_STREAM = 1, 2  # keep the training and evaluation data streams disjoint
@@ -157,7 +156,7 @@ def evaluate(model: nn.Module, task: Task, lengths: list[int], batches: int, bat
     return results
 
 
-def tensorboard_writer(path: Path) -> Optional[Any]:
+def tensorboard_writer(path: Path) -> Any | None:
     """A TensorBoard SummaryWriter, or None when the tensorboard package is not installed."""
     try:
         from torch.utils.tensorboard import SummaryWriter
@@ -241,7 +240,7 @@ class Trainer:
         self.step = 0
         self.train_seconds = 0.0
         self.skipped_steps = 0
-        self.saved_step: Optional[int] = None
+        self.saved_step: int | None = None
         self.metrics = MetricsLog(self.run_dir, cfg.tensorboard) if self.rank == 0 else None
 
     # --------------------------------------------------------------------------------- checkpoints
@@ -340,7 +339,8 @@ class Trainer:
             start = time.perf_counter()
             loss, lr, grad_norm = self.train_step()
             if not math.isfinite(loss):
-                raise ValueError(f"training diverged at step {self.step} (loss {loss}); lower optim.lr or model.max_lr")
+                raise ValueError(f"{cfg.run_name}: training diverged at step {self.step} (loss {loss}); "
+                                 "lower optim.lr or model.max_lr")
             self.train_seconds += time.perf_counter() - start
             self.step += 1
             window_steps += 1
@@ -355,7 +355,7 @@ class Trainer:
                 window_start, window_steps = now, 0
             if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < cfg.steps:
                 self._log({"step": self.step, "eval": self._evaluate([cfg.task.train_length])})
-            out_of_time = cfg.time_budget_s is not None and self.train_seconds >= cfg.time_budget_s
+            out_of_time = self._out_of_time()
             if (cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0) or out_of_time:
                 self.save()
             if out_of_time:
@@ -372,6 +372,15 @@ class Trainer:
                  "results": {str(k): v for k, v in evaluation.items()}}, indent=2))
             self.metrics.close()
         return TrainResult(self.step, loss, evaluation, self.train_seconds, num_parameters)
+
+    def _out_of_time(self) -> bool:
+        """Whether training has used up cfg.time_budget_s; under DDP as soon as any rank has (all stop together)."""
+        if self.cfg.time_budget_s is None:
+            return False
+        spent = torch.tensor(float(self.train_seconds >= self.cfg.time_budget_s), device=self.device)
+        if self.distributed:
+            dist.all_reduce(spent, op=dist.ReduceOp.MAX)
+        return bool(spent.item())
 
     def _log(self, record: dict[str, Any]) -> None:
         if self.metrics is not None:
