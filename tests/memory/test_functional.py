@@ -125,6 +125,34 @@ def test_surprise_gated_theta_matches_the_reference():
     assert max_diff(*outs) <= 1e-10
 
 
+@pytest.mark.parametrize("chunk_size", [1, 4])
+def test_bounded_gradient_norm_matches_the_reference(chunk_size):
+    args = make_inputs(seq=13, depth=2, requires_grad=True)
+    outs = []
+    for fn in (parallel_memory, sequential_memory):
+        y, W, S = fn(*args, chunk_size=chunk_size, max_grad_norm=2.0)
+        loss = (y**2).sum() + sum((w**3).sum() for w in W) + sum(s.sum() for s in S)
+        outs.append([y, *W, *S, *torch.autograd.grad(loss, flat(args))])
+    assert max_diff(*outs) <= 1e-10
+    unbounded = parallel_memory(*args, chunk_size=chunk_size)[0]
+    assert (unbounded - outs[0][0]).abs().max() > 1e-3  # the bound is active on these inputs
+
+
+def test_bounded_gradient_norm_bounds_each_step():
+    """η = 0, α = 0, chunk 1: W_t − W_{t−1} = −θ_t ∇ℓ_t scaled, so ‖ΔW_t‖ ≤ θ_t c, with equality when clipped."""
+    q, k, v, theta, _, _, weights, _ = make_inputs(seq=9, depth=2)
+    v = 10 * v  # large errors: every token's gradient exceeds the bound
+    zeros = torch.zeros_like(theta)
+    W = weights
+    for t in range(9):
+        sl = slice(t, t + 1)
+        _, W_next, _ = parallel_memory(q[:, :, sl], k[:, :, sl], v[:, :, sl], theta[:, :, sl], zeros[:, :, sl],
+                                       zeros[:, :, sl], W, chunk_size=1, max_grad_norm=0.5)
+        step = torch.sqrt(sum(((a - b) ** 2).sum((-1, -2)) for a, b in zip(W_next, W)))
+        torch.testing.assert_close(step, 0.5 * theta[:, :, t], rtol=1e-12, atol=0)
+        W = W_next
+
+
 def test_gradcheck_tiny():
     q, k, v, theta, eta, alpha, weights, momentum = make_inputs(batch=1, heads=1, seq=5, dim=2, hidden=3, requires_grad=True)
 
@@ -134,6 +162,12 @@ def test_gradcheck_tiny():
 
     inputs = (q, k, v, theta, eta, alpha, *weights, *momentum)
     assert torch.autograd.gradcheck(fn, inputs, eps=1e-6, atol=1e-7)
+
+    def bounded(q, k, v, theta, eta, alpha, w1, w2, s1, s2):
+        y, W, S = parallel_memory(q, k, v, theta, eta, alpha, (w1, w2), (s1, s2), chunk_size=2, max_grad_norm=1.0)
+        return (y, *W, *S)
+
+    assert torch.autograd.gradcheck(bounded, inputs, eps=1e-6, atol=1e-7)
 
 
 def test_checkpointed_groups_give_identical_gradients():
@@ -203,6 +237,13 @@ def test_bad_input_names_the_argument(name, fn):
     BAD_CASES[name](args)
     with pytest.raises(ValueError, match=name):
         fn(*args)
+
+
+@pytest.mark.parametrize("bound", [0.0, -1.0, float("inf"), float("nan"), "1"])
+@pytest.mark.parametrize("fn", [parallel_memory, sequential_memory])
+def test_bad_max_grad_norm(bound, fn):
+    with pytest.raises(ValueError, match="max_grad_norm"):
+        fn(*make_inputs(seq=7), max_grad_norm=bound)
 
 
 @pytest.mark.parametrize("chunk_size", [0, -3, 2.5])

@@ -15,6 +15,7 @@ OPTION_SETS = {
     "surprise gate": {"surprise_gate": True},
     "gated deltanet": {"depth": 1, "momentum": False, "residual": False},
     "depth 3 silu": {"depth": 3, "activation": "silu", "expansion": 2},
+    "bounded gradient norm": {"max_grad_norm": 0.5},
 }
 
 
@@ -166,11 +167,24 @@ def test_bf16_model_keeps_float32_state():
         ({"max_lr": 0.0}, "max_lr"),
         ({"activation": "tanh"}, "activation"),
         ({"gate_pooling": "mean"}, "gate_pooling"),
+        ({"init_alpha": 0.0}, "init_alpha"),
+        ({"init_alpha": 1.0}, "init_alpha"),
+        ({"max_grad_norm": 0.0}, "max_grad_norm"),
+        ({"max_grad_norm": float("inf")}, "max_grad_norm"),
     ],
 )
 def test_bad_construction_names_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         NeuralMemory(**{"dim": 16, **kwargs})
+
+
+def test_init_alpha_is_the_forgetting_rate_at_initialisation():
+    memory = NeuralMemory(16, heads=2, init_alpha=3e-4)
+    with torch.no_grad():
+        memory.to_gates.weight.zero_()
+        logits = memory.to_gates(torch.randn(1, 5, 16)).unflatten(-1, (3, 2)).permute(0, 3, 1, 2)  # [B, H, T, 3]
+        _, _, alpha = memory._gate_values(logits)
+    torch.testing.assert_close(alpha, torch.full_like(alpha, 3e-4))
 
 
 def test_bad_input_shape():

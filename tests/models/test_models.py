@@ -173,6 +173,8 @@ def test_save_and_load_pretrained(tmp_path):
         ({"n_persistent": -1}, "n_persistent"),
         ({"memory_heads": 3}, "memory_heads"),
         ({"memory_activation": "relu"}, "memory_activation"),
+        ({"memory_init_alpha": 1.0}, "memory_init_alpha"),
+        ({"memory_max_grad_norm": -1.0}, "memory_max_grad_norm"),
     ],
 )
 def test_bad_configs_name_the_field(overrides, field):

@@ -33,6 +33,7 @@ def check_memory_args(
     chunk_size: int,
     activation: str,
     residual: bool,
+    max_grad_norm: Optional[float] = None,
 ) -> Weights:
     """Validate the memory call; return the momentum (zeros when None)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -68,6 +69,9 @@ def check_memory_args(
             raise ValueError(f"{name} must lie in [0, 1]")
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be an integer >= 1, got {chunk_size!r}")
+    if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float))
+                                      or not max_grad_norm > 0 or max_grad_norm == float("inf")):
+        raise ValueError(f"max_grad_norm must be a positive finite number or None, got {max_grad_norm!r}")
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
     if not isinstance(weights, (tuple, list)) or len(weights) == 0:

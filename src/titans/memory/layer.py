@@ -63,6 +63,10 @@ class NeuralMemory(nn.Module):
             constant within the chunk and known when the chunk starts, so still causal).
         surprise_gate: θ_t = max_lr · sigmoid(x_t w_θ + b_θ + w_s log(1 + surprise_t)), surprise_t being the
             memory's reconstruction error ‖M(k_t) − v_t‖² at the chunk's starting weights.
+        init_alpha: forgetting α at initialisation (the gate's bias is logit(init_alpha)); the memory keeps
+            about (1 − α)^n of what it wrote n tokens ago, so long contexts want a small value.
+        max_grad_norm: bound on each token's inner gradient norm (θ_t scaled by min(1, c / ‖∇ℓ_t‖), see
+            `parallel_memory`); None: the paper's unbounded step.
         checkpoint_chunks: chunks per activation-checkpoint group in training. None (default) chooses:
             no checkpointing up to 64 chunks, beyond that groups of ⌈√chunks⌉ chunks, so the autograd graph
             holds O(√T) states instead of one per chunk; 0 disables it.
@@ -83,6 +87,8 @@ class NeuralMemory(nn.Module):
         gate_pooling: Literal["token", "chunk"] = "token",
         surprise_gate: bool = False,
         checkpoint_chunks: Optional[int] = None,
+        init_alpha: float = 0.006692850924284856,  # sigmoid(-5)
+        max_grad_norm: Optional[float] = None,
     ):
         super().__init__()
         if dim < 1 or heads < 1 or dim % heads:
@@ -95,6 +101,10 @@ class NeuralMemory(nn.Module):
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
         if not max_lr > 0:
             raise ValueError(f"max_lr must be > 0, got {max_lr}")
+        if not 0 < init_alpha < 1:
+            raise ValueError(f"init_alpha must be in (0, 1), got {init_alpha}")
+        if max_grad_norm is not None and not 0 < max_grad_norm < float("inf"):
+            raise ValueError(f"max_grad_norm must be a positive finite number or None, got {max_grad_norm}")
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
         if gate_pooling not in ("token", "chunk"):
@@ -103,6 +113,7 @@ class NeuralMemory(nn.Module):
         self.depth, self.chunk_size, self.max_lr = depth, chunk_size, max_lr
         self.activation, self.use_momentum, self.residual = activation, momentum, residual
         self.gate_pooling, self.surprise_gate, self.checkpoint_chunks = gate_pooling, surprise_gate, checkpoint_chunks
+        self.max_grad_norm = max_grad_norm
 
         self.to_qkv = nn.Linear(dim, 3 * dim, bias=False)  # W_Q, W_K, W_V
         self.conv = CausalDepthwiseConv(3 * dim, conv_kernel)
@@ -110,11 +121,11 @@ class NeuralMemory(nn.Module):
         with torch.no_grad():
             self.to_gates.weight.mul_(0.1)
             # Start with a moderate step (θ ≈ 0.12 max_lr), some momentum (η ≈ 0.5) and slow forgetting
-            # (α ≈ 0.007): the memory can store from the first step and the outer loop tunes the rest.
+            # (init_alpha): the memory can store from the first step and the outer loop tunes the rest.
             bias = self.to_gates.bias.view(3, heads)
             bias[0].fill_(-2.0)
             bias[1].fill_(0.0)
-            bias[2].fill_(-5.0)
+            bias[2].fill_(math.log(init_alpha / (1.0 - init_alpha)))
         self.surprise_weight = nn.Parameter(torch.zeros(heads)) if surprise_gate else None
 
         hidden = self.head_dim * expansion
@@ -187,7 +198,7 @@ class NeuralMemory(nn.Module):
         return parallel_memory(
             q, k, v, theta, eta, alpha, weights, momentum,
             chunk_size=self.chunk_size, activation=self.activation, residual=self.residual,
-            checkpoint_chunks=self._checkpoint_group(k.shape[2]),
+            checkpoint_chunks=self._checkpoint_group(k.shape[2]), max_grad_norm=self.max_grad_norm,
         )
 
     # -------------------------------------------------------------------------------------- forward

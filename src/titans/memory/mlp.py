@@ -82,3 +82,15 @@ def backward_deltas(out: Tensor, v: Tensor, weights: Weights, preacts: list[Tens
         deltas.append(delta)
     deltas.reverse()
     return deltas
+
+
+def grad_norm_scale(sq_norm: Tensor, max_grad_norm: float | None) -> Tensor | float:
+    """min(1, c / ‖∇ℓ_t‖) from the squared norm: the factor that bounds token t's step to θ_t · c.
+
+    Written as c · rsqrt(max(‖g‖², c²)) so that it is smooth where it matters: below the bound the clamp
+    passes no gradient, and ‖g‖ = 0 never reaches a square root (whose derivative there is infinite).
+    """
+    if max_grad_norm is None:
+        return 1.0
+    return max_grad_norm * torch.rsqrt(sq_norm.clamp_min(max_grad_norm**2))
+

@@ -20,7 +20,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from .checks import Theta, check_memory_args
-from .mlp import ACTIVATIONS, Weights, backward_deltas, forward_cached
+from .mlp import ACTIVATIONS, Weights, backward_deltas, forward_cached, grad_norm_scale
 
 # exp(-1e4) is exactly 0 in float32/float64: a gate of exactly 0 (η = 0, i.e. no momentum, or
 # α = 1, full forgetting) becomes a finite log value, so masked differences never form inf − inf.
@@ -82,6 +82,7 @@ def _chunk_step(
     start: int,
     activation: str,
     residual: bool,
+    max_grad_norm: Optional[float],
 ) -> tuple[Tensor, Weights]:
     """One chunk: outputs y_t = M(q_t; W_t) for every token, and the state after the chunk.
 
@@ -95,6 +96,10 @@ def _chunk_step(
     if not isinstance(theta, Tensor):  # surprise-gated θ: the reconstruction error at W⁰
         theta = theta(((out - v) ** 2).sum(-1), start, start + k.shape[2])
     deltas = backward_deltas(out, v, W0, preacts, activation)
+    if max_grad_norm is not None:
+        # ‖a_sᵀ δ_s‖_F = ‖a_s‖ ‖δ_s‖ (an outer product), so token norms need no per-token gradient either
+        sq_norm = sum((a**2).sum(-1) * (d**2).sum(-1) for a, d in zip(inputs, deltas))
+        theta = theta * grad_norm_scale(sq_norm, max_grad_norm)
     C = decays.B @ (decays.E * theta.unsqueeze(-2))  # C[t,s] = Σ_r B[t,r] E[r,s] θ_s
     beta, c = decays.beta.unsqueeze(-1), decays.c.unsqueeze(-1)
 
@@ -136,6 +141,7 @@ def _run_chunks(
     chunk_size: int,
     activation: str,
     residual: bool,
+    max_grad_norm: Optional[float],
 ) -> tuple[Tensor, Weights]:
     """Process q/k/v (a whole number of chunks, or one ragged chunk) chunk after chunk."""
     seq = k.shape[2]
@@ -150,7 +156,8 @@ def _run_chunks(
         step_decays = Decays(*(x[:, :, j] for x in decays))
         step_theta = theta_chunks[:, :, j] if isinstance(theta, Tensor) else theta
         y, WS = _chunk_step(
-            WS, q[:, :, sl], k[:, :, sl], v[:, :, sl], step_theta, step_decays, offset + j * n, activation, residual
+            WS, q[:, :, sl], k[:, :, sl], v[:, :, sl], step_theta, step_decays, offset + j * n, activation, residual,
+            max_grad_norm,
         )
         outputs.append(y)
     return torch.cat(outputs, dim=2), WS
@@ -169,6 +176,7 @@ def parallel_memory(
     activation: str = "gelu",
     residual: bool = True,
     checkpoint_chunks: Optional[int] = None,
+    max_grad_norm: Optional[float] = None,
 ) -> tuple[Tensor, Weights, Weights]:
     """Run the Titans memory over a sequence; return (y, weights after the last token, momentum).
 
@@ -183,13 +191,17 @@ def parallel_memory(
         chunk_size: tokens per chunk b; gradients of a chunk are all taken at its starting weights.
         activation: σ between memory layers, "gelu" or "silu".
         residual: M(x) = x + MLP(x) instead of MLP(x).
+        max_grad_norm: bound c on each token's gradient norm ‖∇ℓ_t‖ (all layers together): token t steps with
+            θ_t · min(1, c / ‖∇ℓ_t‖), so no single token can move the memory by more than θ_t c. Not in the
+            paper; it keeps the inner loop stable when the memory weights grow. None: no bound.
         checkpoint_chunks: when autograd is recording, recompute groups of this many chunks in the backward
             pass (`torch.utils.checkpoint`) so memory holds one state per group instead of per chunk.
 
     A sequence whose length is not a multiple of `chunk_size` ends with a ragged chunk. The state is
     kept in the dtype of `weights` (use float32 there even when q/k/v are bf16).
     """
-    momentum = check_memory_args(q, k, v, theta, eta, alpha, weights, momentum, chunk_size, activation, residual)
+    momentum = check_memory_args(q, k, v, theta, eta, alpha, weights, momentum, chunk_size, activation, residual,
+                                 max_grad_norm)
     if checkpoint_chunks is not None and (not isinstance(checkpoint_chunks, int) or checkpoint_chunks < 1):
         raise ValueError(f"checkpoint_chunks must be a positive integer or None, got {checkpoint_chunks!r}")
     out_dtype = q.dtype
@@ -214,7 +226,7 @@ def parallel_memory(
         sl = slice(start, end)
         th = theta[:, :, sl] if isinstance(theta, Tensor) else theta
         return _run_chunks(WS, q[:, :, sl], k[:, :, sl], v[:, :, sl], th, eta[:, :, sl], alpha[:, :, sl], start,
-                           chunk_size, activation, residual)
+                           chunk_size, activation, residual, max_grad_norm)
 
     outputs = []
     for start, end in pieces:

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from .checks import Theta, check_memory_args
-from .mlp import Weights, memory_apply
+from .mlp import Weights, grad_norm_scale, memory_apply
 
 
 def sequential_memory(
@@ -28,9 +28,11 @@ def sequential_memory(
     chunk_size: int = 16,
     activation: str = "gelu",
     residual: bool = True,
+    max_grad_norm: Optional[float] = None,
 ) -> tuple[Tensor, Weights, Weights]:
     """Same contract as `parallel_memory`, computed token by token."""
-    momentum = check_memory_args(q, k, v, theta, eta, alpha, weights, momentum, chunk_size, activation, residual)
+    momentum = check_memory_args(q, k, v, theta, eta, alpha, weights, momentum, chunk_size, activation, residual,
+                                 max_grad_norm)
     out_dtype, state_dtype = q.dtype, weights[0].dtype
     q, k, v = (t.to(state_dtype) for t in (q, k, v))
 
@@ -53,7 +55,8 @@ def sequential_memory(
             theta_chunk = theta(surprise, start, end)
         for t in range(start, end):
             grads = token_grad(W_start, k[:, :, t : t + 1], v[:, :, t : t + 1])
-            theta_t = theta_chunk[:, :, t - start, None, None]
+            sq_norm = sum((g**2).sum((-1, -2)) for g in grads)  # ‖∇ℓ_t‖² over all layers, [b, h]
+            theta_t = (theta_chunk[:, :, t - start] * grad_norm_scale(sq_norm, max_grad_norm))[:, :, None, None]
             eta_t = eta[:, :, t, None, None]
             keep_t = 1.0 - alpha[:, :, t, None, None]
             S = tuple(eta_t * s - theta_t * g for s, g in zip(S, grads))  # eq. 12: S_t = η_t S_{t-1} − θ_t ∇ℓ_t

@@ -28,6 +28,8 @@ class TitansConfig(Config):
     memory_heads: Optional[int] = None  # default: heads
     chunk_size: int = 16  # memory chunk b (paper: 16)
     max_lr: float = 0.02  # θ_max; conservative: MAC diverged at 0.05 in our small CPU runs
+    memory_init_alpha: float = 0.006692850924284856  # sigmoid(-5): α at init; memory keeps ≈ (1 − α)^n after n tokens
+    memory_max_grad_norm: Optional[float] = None  # bound on each token's inner gradient norm (not in the paper)
     memory_activation: Literal["gelu", "silu"] = "gelu"  # paper: GELU
     momentum: bool = True  # η (past surprise); gated_deltanet always runs without
     gate_pooling: Literal["token", "chunk"] = "token"
@@ -59,6 +61,10 @@ class TitansConfig(Config):
             raise ValueError(f"n_persistent must be >= 0, got {self.n_persistent}")
         if not 0 < self.max_lr:
             raise ValueError(f"max_lr must be > 0, got {self.max_lr}")
+        if not 0 < self.memory_init_alpha < 1:
+            raise ValueError(f"memory_init_alpha must be in (0, 1), got {self.memory_init_alpha}")
+        if self.memory_max_grad_norm is not None and not 0 < self.memory_max_grad_norm < float("inf"):
+            raise ValueError(f"memory_max_grad_norm must be > 0 and finite, got {self.memory_max_grad_norm}")
         if not 0 <= self.dropout < 1:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
         if self.mlp_ratio <= 0:
