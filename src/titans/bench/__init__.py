@@ -43,6 +43,9 @@ def memory(
     ),
     memory_cap_gib: float = typer.Option(20.0, help="Address-space cap per point; above it a point reports OOM."),
     timeout_s: float = typer.Option(900.0, help="Time limit per point."),
+    release_memory: bool = typer.Option(
+        False, help="Run each point with glibc's MALLOC_MMAP_THRESHOLD_=128 KiB: freed tensors go back to the OS, so "
+                    "the peak is live memory, not allocator retention (slower: every large allocation page-faults)."),
     out: Optional[Path] = typer.Option(None, help="Write the points as JSON here."),
 ) -> None:
     """NeuralMemory tokens/s (forward, forward+backward) and peak memory, against the reference."""
@@ -62,12 +65,13 @@ def memory(
         for impl in impls:
             if impl == "reference" and seq not in ref_lens:
                 continue
-            point = run_point({**spec, "impl": impl, "seq_len": seq}, memory_cap_gib, timeout_s)
+            point = run_point({**spec, "impl": impl, "seq_len": seq}, memory_cap_gib, timeout_s, release_memory)
             typer.echo(f"{impl:>9} seq {seq:>6}: {point.status}, fwd {point.fwd_tok_s or 0:.0f} tok/s, "
                        f"fwd+bwd {point.fwd_bwd_tok_s or 0:.0f} tok/s, peak {point.peak_mib or 0:.0f} MiB", err=True)
             points.append(point)
     typer.echo(f"NeuralMemory dim {dim}, heads {heads}, depth {depth}, expansion {expansion}, chunk {chunk_size}, "
-               f"batch {batch}; {__import__('torch').get_num_threads()} threads")
+               f"batch {batch}; {__import__('torch').get_num_threads()} threads; allocator: "
+               + ("MALLOC_MMAP_THRESHOLD_=131072" if release_memory else "glibc default"))
     typer.echo(format_table(points))
     if out is not None:
         out.write_text(json.dumps([p.__dict__ for p in points], indent=2))

@@ -87,11 +87,17 @@ def _worker(spec: dict) -> BenchPoint:
     return point
 
 
-def run_point(spec: dict, memory_cap_gib: float, timeout_s: float) -> BenchPoint:
-    """Run one point in a subprocess with an address-space cap and a time limit."""
+def run_point(spec: dict, memory_cap_gib: float, timeout_s: float, release_memory: bool = False) -> BenchPoint:
+    """Run one point in a subprocess with an address-space cap and a time limit.
+
+    glibc's default malloc raises its mmap threshold as large blocks are freed, after which tensors of a few
+    MiB come from the heap and freed ones stay resident (fragmentation): peak RSS then grows with the number of
+    allocations, not only with live tensors. `release_memory` pins the threshold at 128 KiB for the subprocess.
+    """
     cmd = [sys.executable, "-m", "titans.bench.memory", json.dumps({**spec, "memory_cap_gib": memory_cap_gib})]
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"} if release_memory else None
     try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
     except subprocess.TimeoutExpired:
         return BenchPoint(spec["impl"], spec["seq_len"], spec["batch"], status=f"timeout (> {timeout_s:.0f} s)")
     if out.returncode != 0:

@@ -1,0 +1,30 @@
+"""`titans bench memory` end to end at toy sizes: every point runs in its own subprocess and reports numbers."""
+
+import json
+
+from typer.testing import CliRunner
+
+from titans.bench.memory import BenchPoint, format_table
+from titans.cli import app
+
+
+def test_bench_runs_points_and_writes_json(tmp_path):
+    out = tmp_path / "bench.json"
+    args = ["bench", "memory", "--lengths", "16,40", "--dim", "8", "--expansion", "2", "--chunk-size", "4",
+            "--batch", "2", "--warmup", "0", "--repeats", "1", "--no-reference", "--out", str(out)]
+    for extra in ([], ["--release-memory"]):
+        result = CliRunner().invoke(app, args + extra)
+        assert result.exit_code == 0, result.output
+        points = json.loads(out.read_text())
+        assert [(p["impl"], p["seq_len"], p["status"]) for p in points] == [("titans", 16, "ok"), ("titans", 40, "ok")]
+        assert all(p["fwd_tok_s"] > 0 and p["fwd_bwd_tok_s"] > 0 and p["peak_mib"] >= 0 for p in points)
+        assert ("MALLOC_MMAP_THRESHOLD_" in result.output) == bool(extra)
+
+
+def test_table_has_a_ratio_only_where_both_ran():
+    ours = BenchPoint("titans", 512, 4, fwd_tok_s=4000.0, fwd_bwd_tok_s=2000.0, peak_mib=900.0)
+    ref = BenchPoint("reference", 512, 4, fwd_tok_s=500.0, fwd_bwd_tok_s=200.0, peak_mib=4000.0)
+    oom = BenchPoint("reference", 8192, 4, status="out of memory")
+    long = BenchPoint("titans", 8192, 4, fwd_tok_s=4000.0, fwd_bwd_tok_s=1800.0, peak_mib=1500.0)
+    rows = format_table([ours, ref, long, oom]).splitlines()[2:]
+    assert rows[0].endswith("| 10.0x |") and "out of memory" in rows[1] and rows[1].endswith("| - |")
