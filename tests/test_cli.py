@@ -18,14 +18,7 @@ from titans.train.checkpoint import checkpoint_step, latest_checkpoint
 
 TINY = Path(__file__).parent / "train" / "tiny.yaml"
 runner = CliRunner()
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def weights(run_dir: Path) -> dict:

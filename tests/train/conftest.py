@@ -1,23 +1,15 @@
-"""Shared by the trainer tests: the tiny config, and one torch thread per test process.
-
-One thread because these models are tiny: on a loaded 2-core machine two threads spin against
-each other and a step takes 100x longer.
-"""
+"""Shared by the trainer tests: the tiny config, and one torch thread per test (`one_thread`, tests/conftest.py)."""
 
 from pathlib import Path
 
 import pytest
-import torch
 
 TINY_CONFIG = Path(__file__).with_name("tiny.yaml")
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def _one_thread(one_thread):
+    pass
 
 
 @pytest.fixture
