@@ -1,5 +1,6 @@
 """parallel_memory (chunk-parallel dual form) against the token-by-token reference, in float64."""
 
+import functools
 import itertools
 
 import pytest
@@ -9,6 +10,9 @@ import torch.nn.functional as F
 from titans.memory import memory_apply, parallel_memory, sequential_memory
 
 DT = torch.float64
+# parallel_memory has two implementations of the same dual form: the fused one (hand-written backward,
+# the default) and the autograd one; every exactness test below runs on both.
+IMPLEMENTATIONS = ["fused", "autograd"]
 
 
 def make_inputs(batch=2, heads=2, seq=21, dim=4, depth=2, hidden=8, seed=0, requires_grad=False):
@@ -39,23 +43,23 @@ def max_diff(xs, ys):
 
 
 @pytest.mark.parametrize(
-    "chunk_size, depth, activation",
-    list(itertools.product([1, 3, 16], [1, 2, 3], ["gelu", "silu"])),
+    "chunk_size, depth, activation, implementation",
+    list(itertools.product([1, 3, 16], [1, 2, 3], ["gelu", "silu"], IMPLEMENTATIONS)),
 )
-def test_parallel_equals_sequential(chunk_size, depth, activation):
+def test_parallel_equals_sequential(chunk_size, depth, activation, implementation):
     # seq 37 leaves a ragged last chunk for chunk sizes 3 and 16
     args = make_inputs(seq=37, depth=depth)
-    y_p, W_p, S_p = parallel_memory(*args, chunk_size=chunk_size, activation=activation)
+    y_p, W_p, S_p = parallel_memory(*args, chunk_size=chunk_size, activation=activation, implementation=implementation)
     y_s, W_s, S_s = sequential_memory(*args, chunk_size=chunk_size, activation=activation)
     assert y_p.shape == (2, 2, 37, 4)
     assert max_diff([y_p, *W_p, *S_p], [y_s, *W_s, *S_s]) <= 1e-10
 
 
-@pytest.mark.parametrize("residual", [True, False])
-def test_parallel_equals_sequential_without_residual_and_zero_momentum(residual):
+@pytest.mark.parametrize("residual, implementation", list(itertools.product([True, False], IMPLEMENTATIONS)))
+def test_parallel_equals_sequential_without_residual_and_zero_momentum(residual, implementation):
     args = make_inputs(seq=19, depth=2)
     args[7] = None  # momentum starts at zero
-    out_p = parallel_memory(*args, chunk_size=4, residual=residual)
+    out_p = parallel_memory(*args, chunk_size=4, residual=residual, implementation=implementation)
     out_s = sequential_memory(*args, chunk_size=4, residual=residual)
     assert max_diff([out_p[0], *out_p[1], *out_p[2]], [out_s[0], *out_s[1], *out_s[2]]) <= 1e-10
 
@@ -100,11 +104,11 @@ def test_chunk_gradients_are_taken_at_the_chunk_start():
     assert max_diff([y_chunk[:, :, 1:]], [y_tok[:, :, 1:]]) > 1e-6
 
 
-@pytest.mark.parametrize("chunk_size", [1, 4])
-def test_gradients_match_the_reference(chunk_size):
+@pytest.mark.parametrize("chunk_size, implementation", list(itertools.product([1, 4], IMPLEMENTATIONS)))
+def test_gradients_match_the_reference(chunk_size, implementation):
     args = make_inputs(seq=11, depth=2, requires_grad=True)
     grads = []
-    for fn in (parallel_memory, sequential_memory):
+    for fn in (functools.partial(parallel_memory, implementation=implementation), sequential_memory):
         y, W, S = fn(*args, chunk_size=chunk_size)
         loss = (y**2).sum() + sum((w**3).sum() for w in W) + sum(s.sum() for s in S)
         grads.append(torch.autograd.grad(loss, flat(args)))
@@ -125,11 +129,11 @@ def test_surprise_gated_theta_matches_the_reference():
     assert max_diff(*outs) <= 1e-10
 
 
-@pytest.mark.parametrize("chunk_size", [1, 4])
-def test_bounded_gradient_norm_matches_the_reference(chunk_size):
+@pytest.mark.parametrize("chunk_size, implementation", list(itertools.product([1, 4], IMPLEMENTATIONS)))
+def test_bounded_gradient_norm_matches_the_reference(chunk_size, implementation):
     args = make_inputs(seq=13, depth=2, requires_grad=True)
     outs = []
-    for fn in (parallel_memory, sequential_memory):
+    for fn in (functools.partial(parallel_memory, implementation=implementation), sequential_memory):
         y, W, S = fn(*args, chunk_size=chunk_size, max_grad_norm=2.0)
         loss = (y**2).sum() + sum((w**3).sum() for w in W) + sum(s.sum() for s in S)
         outs.append([y, *W, *S, *torch.autograd.grad(loss, flat(args))])
@@ -153,28 +157,33 @@ def test_bounded_gradient_norm_bounds_each_step():
         W = W_next
 
 
-def test_gradcheck_tiny():
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_gradcheck_tiny(implementation):
     q, k, v, theta, eta, alpha, weights, momentum = make_inputs(batch=1, heads=1, seq=5, dim=2, hidden=3, requires_grad=True)
 
     def fn(q, k, v, theta, eta, alpha, w1, w2, s1, s2):
-        y, W, S = parallel_memory(q, k, v, theta, eta, alpha, (w1, w2), (s1, s2), chunk_size=2)
+        y, W, S = parallel_memory(q, k, v, theta, eta, alpha, (w1, w2), (s1, s2), chunk_size=2,
+                                  implementation=implementation)
         return (y, *W, *S)
 
     inputs = (q, k, v, theta, eta, alpha, *weights, *momentum)
     assert torch.autograd.gradcheck(fn, inputs, eps=1e-6, atol=1e-7)
 
     def bounded(q, k, v, theta, eta, alpha, w1, w2, s1, s2):
-        y, W, S = parallel_memory(q, k, v, theta, eta, alpha, (w1, w2), (s1, s2), chunk_size=2, max_grad_norm=1.0)
+        y, W, S = parallel_memory(q, k, v, theta, eta, alpha, (w1, w2), (s1, s2), chunk_size=2, max_grad_norm=1.0,
+                                  implementation=implementation)
         return (y, *W, *S)
 
     assert torch.autograd.gradcheck(bounded, inputs, eps=1e-6, atol=1e-7)
 
 
-def test_checkpointed_groups_give_identical_gradients():
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_checkpointed_groups_give_identical_gradients(implementation):
     args = make_inputs(seq=40, depth=2, requires_grad=True)
     grads = []
     for checkpoint_chunks in (None, 2):
-        y, W, S = parallel_memory(*args, chunk_size=4, checkpoint_chunks=checkpoint_chunks)
+        y, W, S = parallel_memory(*args, chunk_size=4, checkpoint_chunks=checkpoint_chunks,
+                                  implementation=implementation)
         grads.append(torch.autograd.grad((y**2).sum() + W[0].sum(), flat(args)))
     assert max_diff(*grads) <= 1e-12
 

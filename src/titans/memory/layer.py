@@ -67,9 +67,9 @@ class NeuralMemory(nn.Module):
             about (1 − α)^n of what it wrote n tokens ago, so long contexts want a small value.
         max_grad_norm: bound on each token's inner gradient norm (θ_t scaled by min(1, c / ‖∇ℓ_t‖), see
             `parallel_memory`); None: the paper's unbounded step.
-        checkpoint_chunks: chunks per activation-checkpoint group in training. None (default) chooses:
-            no checkpointing up to 64 chunks, beyond that groups of ⌈√chunks⌉ chunks, so the autograd graph
-            holds O(√T) states instead of one per chunk; 0 disables it.
+        checkpoint_chunks: chunks per recomputation group in training. None (default) chooses: every
+            chunk's state is kept up to 64 chunks, beyond that groups of ⌈√chunks⌉ chunks are recomputed in the
+            backward pass, so training holds O(√T) states instead of one per chunk; 0 disables it.
     """
 
     def __init__(

@@ -31,16 +31,30 @@ def _gelu_grad(z: Tensor) -> Tensor:
     return cdf + z * pdf
 
 
+def _gelu_grad2(z: Tensor) -> Tensor:
+    # d/dz [Φ(z) + z φ(z)] = 2 φ(z) + z φ'(z) = φ(z) (2 − z²)
+    return torch.exp(-0.5 * z * z) * _INV_SQRT2PI * (2.0 - z * z)
+
+
 def _silu_grad(z: Tensor) -> Tensor:
     s = torch.sigmoid(z)
     return s * (1.0 + z * (1.0 - s))
 
 
-# name -> (σ, σ'); both built from differentiable torch ops so the outer loop can back-propagate
-# through the hand-written inner gradient (second order terms included).
-ACTIVATIONS: dict[str, tuple[Callable[[Tensor], Tensor], Callable[[Tensor], Tensor]]] = {
-    "gelu": (torch.nn.functional.gelu, _gelu_grad),
-    "silu": (torch.nn.functional.silu, _silu_grad),
+def _silu_grad2(z: Tensor) -> Tensor:
+    # d/dz [s + z s (1 − s)] = s (1 − s) (2 + z (1 − 2 s)) with s = sigmoid(z)
+    s = torch.sigmoid(z)
+    return s * (1.0 - s) * (2.0 + z * (1.0 - 2.0 * s))
+
+
+Activation = Callable[[Tensor], Tensor]
+
+# name -> (σ, σ', σ''). σ and σ' are built from differentiable torch ops so the autograd path can
+# back-propagate through the hand-written inner gradient (second order terms included); σ'' is what
+# the fused path's hand-written backward needs for those same second order terms.
+ACTIVATIONS: dict[str, tuple[Activation, Activation, Activation]] = {
+    "gelu": (torch.nn.functional.gelu, _gelu_grad, _gelu_grad2),
+    "silu": (torch.nn.functional.silu, _silu_grad, _silu_grad2),
 }
 
 

@@ -13,59 +13,16 @@ the gradients are taken (at W⁰, as the paper's mini-batch gradient descent pre
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from .checks import Theta, check_memory_args
+from .decays import Decays, chunk_decays
+from .fused import MemoryScan, ScanConfig
 from .mlp import ACTIVATIONS, Weights, backward_deltas, forward_cached, grad_norm_scale
-
-# exp(-1e4) is exactly 0 in float32/float64: a gate of exactly 0 (η = 0, i.e. no momentum, or
-# α = 1, full forgetting) becomes a finite log value, so masked differences never form inf − inf.
-LOG_FLOOR = -1.0e4
-
-
-class Decays(NamedTuple):
-    """Within-chunk decay factors; leading dims [batch, heads, (chunks)], chunk dim last."""
-
-    beta: Tensor  # β_t = Π_{j≤t}(1 − α_j)                    [..., n]
-    c: Tensor  # c_t = Σ_{r≤t} B[t,r] e_r  (weight of S⁰ in W_t)  [..., n]
-    B: Tensor  # B[t,r] = Π_{r<j≤t}(1 − α_j), lower triangular   [..., n, n]
-    E: Tensor  # E[t,s] = Π_{s<j≤t} η_j, lower triangular         [..., n, n]
-    e: Tensor  # e_t = Π_{j≤t} η_j                                [..., n]
-
-
-def _safe_log(x: Tensor) -> Tensor:
-    """log x, floored at LOG_FLOOR, with a zero (not NaN) gradient where x is exactly 0.
-
-    A gate of exactly 0 or 1 (a sigmoid saturates at |logit| ≳ 17 in float32) would otherwise give
-    log 0 = −inf, and autograd's 0 · ∞ in the backward pass turns every gradient into NaN.
-    """
-    positive = x > 0
-    return torch.where(positive, torch.log(torch.where(positive, x, 1.0)), LOG_FLOOR).clamp_min(LOG_FLOOR)
-
-
-def _masked_exp_cumdiff(log_factors: Tensor) -> Tensor:
-    """M[t,s] = exp(Σ_{s<j≤t} log f_j) for s ≤ t, else 0; masked BEFORE exp so nothing overflows."""
-    cum = torch.cumsum(log_factors, dim=-1)
-    diff = cum.unsqueeze(-1) - cum.unsqueeze(-2)
-    n = log_factors.shape[-1]
-    causal = torch.ones(n, n, dtype=torch.bool, device=log_factors.device).tril()
-    return torch.exp(diff.masked_fill(~causal, float("-inf")))
-
-
-def chunk_decays(eta: Tensor, alpha: Tensor) -> Decays:
-    """Decay matrices of DESIGN.md §2 step 2, in log space; the chunk is the last dim of eta/alpha."""
-    log_keep = _safe_log(1.0 - alpha)
-    log_eta = _safe_log(eta)
-    B = _masked_exp_cumdiff(log_keep)
-    E = _masked_exp_cumdiff(log_eta)
-    beta = torch.exp(torch.cumsum(log_keep, dim=-1))
-    e = torch.exp(torch.cumsum(log_eta, dim=-1))
-    c = (B @ e.unsqueeze(-1)).squeeze(-1)
-    return Decays(beta, c, B, E, e)
 
 
 def _flat3(t: Tensor) -> Tensor:
@@ -163,6 +120,19 @@ def _run_chunks(
     return torch.cat(outputs, dim=2), WS
 
 
+def _fused_memory(q, k, v, theta, eta, alpha, weights, momentum, chunk_size, activation, residual,
+                  checkpoint_chunks, max_grad_norm) -> tuple[Tensor, Weights, Weights]:
+    """`parallel_memory` through `fused.MemoryScan`, which works on `[batch·heads, …]` contiguous tensors."""
+    batch, heads = k.shape[:2]
+    inputs = [t.reshape(batch * heads, *t.shape[2:]).contiguous() for t in (q, k, v, theta, eta, alpha)]
+    state = [t.reshape(batch * heads, *t.shape[2:]).contiguous() for pair in zip(weights, momentum) for t in pair]
+    record = torch.is_grad_enabled() and any(t.requires_grad for t in inputs + state)
+    cfg = ScanConfig(chunk_size, activation, residual, max_grad_norm, checkpoint_chunks, record)
+    y, *final = MemoryScan.apply(cfg, *inputs, *state)
+    final = [t.view(batch, heads, *t.shape[1:]) for t in final]
+    return y.view(batch, heads, *y.shape[1:]), tuple(final[0::2]), tuple(final[1::2])
+
+
 def parallel_memory(
     q: Tensor,
     k: Tensor,
@@ -177,6 +147,7 @@ def parallel_memory(
     residual: bool = True,
     checkpoint_chunks: Optional[int] = None,
     max_grad_norm: Optional[float] = None,
+    implementation: str = "fused",
 ) -> tuple[Tensor, Weights, Weights]:
     """Run the Titans memory over a sequence; return (y, weights after the last token, momentum).
 
@@ -195,7 +166,10 @@ def parallel_memory(
             θ_t · min(1, c / ‖∇ℓ_t‖), so no single token can move the memory by more than θ_t c. Not in the
             paper; it keeps the inner loop stable when the memory weights grow. None: no bound.
         checkpoint_chunks: when autograd is recording, recompute groups of this many chunks in the backward
-            pass (`torch.utils.checkpoint`) so memory holds one state per group instead of per chunk.
+            pass so memory holds one state per group instead of per chunk. None: no recomputation.
+        implementation: "fused" (default; `fused.py`: hand-written backward, reused buffers) or "autograd"
+            (this module's chunk loop under autograd: slower, but twice differentiable). A callable θ always
+            takes the autograd path.
 
     A sequence whose length is not a multiple of `chunk_size` ends with a ragged chunk. The state is
     kept in the dtype of `weights` (use float32 there even when q/k/v are bf16).
@@ -204,12 +178,18 @@ def parallel_memory(
                                  max_grad_norm)
     if checkpoint_chunks is not None and (not isinstance(checkpoint_chunks, int) or checkpoint_chunks < 1):
         raise ValueError(f"checkpoint_chunks must be a positive integer or None, got {checkpoint_chunks!r}")
+    if implementation not in ("fused", "autograd"):
+        raise ValueError(f"implementation must be 'fused' or 'autograd', got {implementation!r}")
     out_dtype = q.dtype
     state_dtype = weights[0].dtype
     q, k, v = (t.to(state_dtype) for t in (q, k, v))
     if isinstance(theta, Tensor):
         theta = theta.to(state_dtype)
     eta, alpha = eta.to(state_dtype), alpha.to(state_dtype)
+    if implementation == "fused" and isinstance(theta, Tensor) and k.shape[2] > 0:
+        y, W, S = _fused_memory(q, k, v, theta, eta, alpha, weights, momentum, chunk_size, activation, residual,
+                                checkpoint_chunks, max_grad_norm)
+        return y.to(out_dtype), W, S
     WS = tuple(torch.cat([w, s], dim=-2) for w, s in zip(weights, momentum))  # state stacked [W; S]
 
     seq = k.shape[2]

@@ -1,0 +1,56 @@
+"""Within-chunk decay factors of the memory recurrence (DESIGN.md §2 step 2), computed in log space.
+
+Shared by both chunk-parallel implementations (`parallel.py`, `fused.py`).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+# exp(-1e4) is exactly 0 in float32/float64: a gate of exactly 0 (η = 0, i.e. no momentum, or
+# α = 1, full forgetting) becomes a finite log value, so masked differences never form inf − inf.
+LOG_FLOOR = -1.0e4
+
+
+class Decays(NamedTuple):
+    """Within-chunk decay factors; leading dims [batch, heads, (chunks)], chunk dim last."""
+
+    beta: Tensor  # β_t = Π_{j≤t}(1 − α_j)                    [..., n]
+    c: Tensor  # c_t = Σ_{r≤t} B[t,r] e_r  (weight of S⁰ in W_t)  [..., n]
+    B: Tensor  # B[t,r] = Π_{r<j≤t}(1 − α_j), lower triangular   [..., n, n]
+    E: Tensor  # E[t,s] = Π_{s<j≤t} η_j, lower triangular         [..., n, n]
+    e: Tensor  # e_t = Π_{j≤t} η_j                                [..., n]
+
+
+def _safe_log(x: Tensor) -> Tensor:
+    """log x, floored at LOG_FLOOR, with a zero (not NaN) gradient where x is exactly 0.
+
+    A gate of exactly 0 or 1 (a sigmoid saturates at |logit| ≳ 17 in float32) would otherwise give
+    log 0 = −inf, and autograd's 0 · ∞ in the backward pass turns every gradient into NaN.
+    """
+    positive = x > 0
+    return torch.where(positive, torch.log(torch.where(positive, x, 1.0)), LOG_FLOOR).clamp_min(LOG_FLOOR)
+
+
+def _masked_exp_cumdiff(log_factors: Tensor) -> Tensor:
+    """M[t,s] = exp(Σ_{s<j≤t} log f_j) for s ≤ t, else 0; masked BEFORE exp so nothing overflows."""
+    cum = torch.cumsum(log_factors, dim=-1)
+    diff = cum.unsqueeze(-1) - cum.unsqueeze(-2)
+    n = log_factors.shape[-1]
+    causal = torch.ones(n, n, dtype=torch.bool, device=log_factors.device).tril()
+    return torch.exp(diff.masked_fill(~causal, float("-inf")))
+
+
+def chunk_decays(eta: Tensor, alpha: Tensor) -> Decays:
+    """Decay matrices of DESIGN.md §2 step 2, in log space; the chunk is the last dim of eta/alpha."""
+    log_keep = _safe_log(1.0 - alpha)
+    log_eta = _safe_log(eta)
+    B = _masked_exp_cumdiff(log_keep)
+    E = _masked_exp_cumdiff(log_eta)
+    beta = torch.exp(torch.cumsum(log_keep, dim=-1))
+    e = torch.exp(torch.cumsum(log_eta, dim=-1))
+    c = (B @ e.unsqueeze(-1)).squeeze(-1)
+    return Decays(beta, c, B, E, e)

@@ -1,0 +1,483 @@
+"""The chunk-parallel memory with a hand-written backward pass: the fast path beside `parallel.py`.
+
+Same mathematics as `parallel.py` (DESIGN.md §2, the dual form), organised for speed on the state,
+the only large tensor: every memory layer carries W and S (`[batch·heads, d_in, d_out]`), and a chunk of
+n = 16 tokens touches them only through matmuls with n rows. The autograd version spends half its time
+on allocator traffic around those matmuls: a fresh state tensor per chunk page-faults, gradients of a
+state used four times are summed in four fresh tensors, slicing a stacked state allocates zeros. Here
+
+* the forward pass writes each chunk's new state into one of two reused buffers (in place, `out=`);
+* the backward pass is written by hand (derivation in `_chunk_backward`), accumulating the gradient of
+  the state in place with rank-n `baddbmm_` updates; only the tiny gate algebra (η, α → decays, a few
+  n × n matrices) goes through autograd;
+* the states of a group of chunks are recomputed in the backward pass from a saved group boundary
+  (activation checkpointing), so memory holds O(√chunks) states whatever the sequence length;
+* those buffers live in a per-thread workspace that is kept between calls, so a training loop touches
+  warm memory instead of page-faulting hundreds of MiB per step.
+
+Exactness is tested against `parallel.py`'s autograd path and the token-by-token reference in float64
+(values and gradients, ≤ 1e-10) and by `gradcheck`. The backward is not itself differentiable
+(no double backward); the autograd path is, and `parallel_memory(..., implementation="autograd")` selects it.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import NamedTuple, Optional
+
+import torch
+from torch import Tensor
+
+from .decays import chunk_decays
+from .mlp import ACTIVATIONS, grad_norm_scale
+
+State = list[Tensor]  # [W_1, S_1, W_2, S_2, …], each [BH, d_in, d_out]
+
+
+@dataclass(frozen=True)
+class ScanConfig:
+    chunk_size: int
+    activation: str
+    residual: bool
+    max_grad_norm: Optional[float]
+    group_chunks: Optional[int]  # chunks per recomputation group; None: ⌈√chunks⌉
+    record: bool  # save what the backward pass needs
+
+
+class ChunkDecays(NamedTuple):
+    """Gate algebra of one chunk (or of all chunks, chunk dim before the last): see `decay_terms`."""
+
+    beta: Tensor  # β_t = Π_{j≤t}(1 − α_j)                 [.., n]
+    c: Tensor  # c_t, weight of S⁰ in W_t                 [.., n]
+    D: Tensor  # D[t,s] = Σ_r B[t,r] E[r,s], so C = D diag(θ) [.., n, n]
+    E_last: Tensor  # E[n,s] = Π_{s<j≤n} η_j (momentum carried to the chunk's end) [.., n]
+    e_last: Tensor  # e_n = Π_{j≤n} η_j                      [..]
+
+
+def decay_terms(eta: Tensor, alpha: Tensor) -> ChunkDecays:
+    d = chunk_decays(eta, alpha)
+    return ChunkDecays(d.beta, d.c, d.B @ d.E, d.E[..., -1, :], d.e[..., -1])
+
+
+# --- workspace -------------------------------------------------------------------------------------
+
+_local = threading.local()
+
+
+def _acquire(numel: int, like: Tensor) -> Tensor:
+    """A flat buffer of at least `numel` elements from this thread's pool of released buffers.
+
+    State buffers are hundreds of MiB; fresh ones page-fault on first touch (about as slow as the matmuls
+    that fill them) and glibc hands them straight back to the OS on free, so a training loop would fault
+    on every step. The pool keeps released buffers warm for the next call, like a caching allocator.
+    """
+    free = _local.__dict__.setdefault("pool", {}).setdefault((like.device, like.dtype), [])
+    fitting = [i for i, buf in enumerate(free) if buf.numel() >= numel]
+    if fitting:
+        return free.pop(min(fitting, key=lambda i: free[i].numel()))[:numel]
+    free.clear()  # every free buffer is too small: stale sizes, let them go before allocating
+    return torch.empty(numel, device=like.device, dtype=like.dtype)
+
+
+def _release(buf: Tensor) -> None:
+    """Give a buffer from `_acquire` back to the pool (its views must no longer be used)."""
+    base = buf if buf._base is None else buf._base
+    _local.__dict__.setdefault("pool", {}).setdefault((base.device, base.dtype), []).append(base)
+
+
+def release_workspace() -> None:
+    """Free the buffers the fused memory keeps between calls on this thread."""
+    _local.__dict__.pop("pool", None)
+
+
+def _carve(flat: Tensor, template: State, count: int) -> list[State]:
+    """`count` states shaped like `template`, as views into `flat`."""
+    states, offset = [], 0
+    for _ in range(count):
+        state = []
+        for t in template:
+            state.append(flat[offset : offset + t.numel()].view(t.shape))
+            offset += t.numel()
+        states.append(state)
+    return states
+
+
+def _fresh_like(template: State) -> State:
+    return [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in template]
+
+
+def _flat_dot(x: Tensor, y: Tensor) -> Tensor:
+    """Per-batch ⟨x_b, y_b⟩ of two `[BH, r, c]` tensors: BLAS dots, no elementwise temporary (a [1, N] @ [N, 1]
+    bmm is 20× slower)."""
+    return torch.stack([torch.dot(a.reshape(-1), b.reshape(-1)) for a, b in zip(x, y)])
+
+
+# --- one chunk, forward ------------------------------------------------------------------------------
+
+
+class ChunkCache(NamedTuple):
+    """What the backward pass of one chunk needs (all small: n rows)."""
+
+    a: list[Tensor]  # layer inputs on the keys, a_1 = k
+    p: list[Tensor]  # pre-activations on the keys, p_i = a_i W_i
+    m: list[Tensor]  # m_i = δ_{i+1} W_{i+1}ᵀ (so δ_i = m_i ⊙ σ'(p_i)); None for the last layer
+    delta: list[Tensor]  # δ_i = ∂ℓ/∂p_i per token
+    h: list[Tensor]  # layer inputs on the queries, h_1 = q
+    hW: list[Tensor]  # h_i W_i⁰
+    hS: list[Tensor]  # h_i S_i⁰
+    r: list[Tensor]  # pre-activations on the queries
+    theta: Tensor  # effective θ (after the gradient-norm bound)
+    scale: Optional[Tensor]  # the bound's factor min(1, c/‖∇ℓ‖), None without a bound
+    sq_norm: Optional[Tensor]  # ‖∇ℓ_t‖²
+    C: Tensor  # C = D diag(θ)
+
+
+def _chunk_forward(
+    cfg: ScanConfig, state: State, q: Tensor, k: Tensor, v: Tensor, theta: Tensor, dec: ChunkDecays,
+    y_out: Tensor, new_state: Optional[State],
+) -> ChunkCache:
+    """Outputs y_t = M(q_t; W_t) into `y_out` and, unless `new_state` is None, the state after the chunk."""
+    sigma, sigma_grad, _ = ACTIVATIONS[cfg.activation]
+    W, S = state[0::2], state[1::2]
+    depth = len(W)
+    # Keys at the chunk's starting weights: the associative loss ℓ_t = ‖M(k_t) − v_t‖² (eq. 12) and its δ.
+    a, p = [], []
+    x = k
+    for i in range(depth):
+        a.append(x)
+        p.append(torch.bmm(x, W[i]))
+        x = sigma(p[i]) if i < depth - 1 else p[i]
+    out = x + k if cfg.residual else x
+    delta: list[Tensor] = [None] * depth  # type: ignore[list-item]
+    m: list[Tensor] = [None] * depth  # type: ignore[list-item]
+    delta[-1] = 2.0 * (out - v)
+    for i in range(depth - 2, -1, -1):
+        m[i] = torch.bmm(delta[i + 1], W[i + 1].transpose(1, 2))
+        delta[i] = m[i] * sigma_grad(p[i])
+    scale = sq_norm = None
+    if cfg.max_grad_norm is not None:
+        # ‖a_sᵀ δ_s‖_F = ‖a_s‖ ‖δ_s‖: token gradient norms without the per-token gradients
+        sq_norm = sum((ai * ai).sum(-1) * (di * di).sum(-1) for ai, di in zip(a, delta))
+        scale = grad_norm_scale(sq_norm, cfg.max_grad_norm)
+        theta = theta * scale
+    C = dec.D * theta.unsqueeze(-2)
+    beta, c = dec.beta.unsqueeze(-1), dec.c.unsqueeze(-1)
+
+    # Queries at W_t = β_t W⁰ + c_t S⁰ − Σ_s C[t,s] a_sᵀ δ_s, layer by layer (DESIGN.md §2 step 3).
+    h_list, hW, hS, r_list = [], [], [], []
+    h = q
+    for i in range(depth):
+        h_list.append(h)
+        hW.append(torch.bmm(h, W[i]))
+        hS.append(torch.bmm(h, S[i]))
+        r = hW[i] * beta
+        r.addcmul_(hS[i], c)
+        r.baddbmm_(C * torch.bmm(h, a[i].transpose(1, 2)), delta[i], alpha=-1.0)
+        r_list.append(r)
+        h = sigma(r) if i < depth - 1 else r
+    if cfg.residual:
+        torch.add(q, h, out=y_out)
+    else:
+        y_out.copy_(h)
+
+    if new_state is not None:
+        # Last row (step 4): W ← β_n W⁰ + c_n S⁰ − aᵀ diag(C[n,:]) δ;  S ← e_n S⁰ − aᵀ diag(θ ⊙ E[n,:]) δ.
+        beta_n, c_n, e_n = (t.view(-1, 1, 1) for t in (dec.beta[:, -1], dec.c[:, -1], dec.e_last))
+        u_w, u_m = C[:, -1, :].unsqueeze(-1), (theta * dec.E_last).unsqueeze(-1)
+        for i in range(depth):
+            W_new, S_new = new_state[2 * i], new_state[2 * i + 1]
+            torch.mul(W[i], beta_n, out=W_new).addcmul_(S[i], c_n)
+            W_new.baddbmm_(a[i].transpose(1, 2), u_w * delta[i], alpha=-1.0)
+            torch.mul(S[i], e_n, out=S_new)
+            S_new.baddbmm_(a[i].transpose(1, 2), u_m * delta[i], alpha=-1.0)
+    return ChunkCache(a, p, m, delta, h_list, hW, hS, r_list, theta, scale, sq_norm, C)
+
+
+# --- one chunk, backward -----------------------------------------------------------------------------
+
+
+class ChunkGrads(NamedTuple):
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    theta: Tensor
+    decays: ChunkDecays  # gradients w.r.t. the ChunkDecays fields
+
+
+def _chunk_backward(
+    cfg: ScanConfig, state: State, cache: ChunkCache, theta: Tensor, dec: ChunkDecays, dy: Tensor,
+    d_new: State, d_state: State,
+) -> ChunkGrads:
+    """Gradients of one chunk by hand; writes ∂L/∂(W⁰, S⁰) into `d_state` given ∂L/∂(W, S after) `d_new`.
+
+    The forward pass, per layer i (W, S the chunk's starting state, u_w = C[n,:], u_m = θ ⊙ E[n,:]):
+        keys:     p_i = a_i W_i,  a_{i+1} = σ(p_i),  δ_L = 2(p_L (+k) − v),  δ_i = (δ_{i+1} W_{i+1}ᵀ) ⊙ σ'(p_i)
+        queries:  r_i = β ⊙ h_i W_i + c ⊙ h_i S_i − (C ⊙ h_i a_iᵀ) δ_i,  h_{i+1} = σ(r_i),  y = r_L (+q)
+        update:   W_i' = β_n W_i + c_n S_i − a_iᵀ (u_w ⊙ δ_i),  S_i' = e_n S_i − a_iᵀ (u_m ⊙ δ_i)
+    and this function walks it in reverse: update, queries (last layer first), the θ algebra, the δ
+    recursion (whose σ'' terms are the second-order part of the outer gradient), then the keys.
+    """
+    _, sigma_grad, sigma_grad2 = ACTIVATIONS[cfg.activation]
+    W, S = state[0::2], state[1::2]
+    dW_new, dS_new = d_new[0::2], d_new[1::2]
+    dW, dS = d_state[0::2], d_state[1::2]
+    a, p, m, delta, h, hW, hS, r = cache.a, cache.p, cache.m, cache.delta, cache.h, cache.hW, cache.hS, cache.r
+    C, th = cache.C, cache.theta
+    depth = len(W)
+    beta_n, c_n, e_n = (t.view(-1, 1, 1) for t in (dec.beta[:, -1], dec.c[:, -1], dec.e_last))
+    u_w, u_m = C[:, -1, :], th * dec.E_last
+
+    # 1. State update.
+    d_delta, d_a = [], []
+    d_u_w = torch.zeros_like(u_w)
+    d_u_m = torch.zeros_like(u_m)
+    d_beta_n = torch.zeros_like(dec.e_last)
+    d_c_n = torch.zeros_like(dec.e_last)
+    d_e_n = torch.zeros_like(dec.e_last)
+    for i in range(depth):
+        a_dW, a_dS = torch.bmm(a[i], dW_new[i]), torch.bmm(a[i], dS_new[i])  # [n, d_out]
+        d_delta.append(-(u_w.unsqueeze(-1) * a_dW + u_m.unsqueeze(-1) * a_dS))
+        d_u_w -= (a_dW * delta[i]).sum(-1)
+        d_u_m -= (a_dS * delta[i]).sum(-1)
+        d_a_i = torch.bmm(u_w.unsqueeze(-1) * delta[i], dW_new[i].transpose(1, 2))
+        d_a.append(d_a_i.baddbmm_(u_m.unsqueeze(-1) * delta[i], dS_new[i].transpose(1, 2)).neg_())
+        d_beta_n += _flat_dot(W[i], dW_new[i])
+        d_c_n += _flat_dot(S[i], dW_new[i])
+        d_e_n += _flat_dot(S[i], dS_new[i])
+        torch.mul(dW_new[i], beta_n, out=dW[i])
+        torch.mul(dS_new[i], e_n, out=dS[i]).addcmul_(dW_new[i], c_n)
+
+    # 2. Queries, last layer first.
+    d_beta = torch.zeros_like(dec.beta)
+    d_c = torch.zeros_like(dec.c)
+    d_C = torch.zeros_like(C)
+    beta, c = dec.beta.unsqueeze(-1), dec.c.unsqueeze(-1)
+    # Rank-n terms of ∂L/∂W_i are collected and applied as one matmul over all of them (K = 2n or 3n rows
+    # instead of three K = n updates: fewer passes over the state, better matmul efficiency).
+    w_left: list[list[Tensor]] = [[] for _ in range(depth)]
+    w_right: list[list[Tensor]] = [[] for _ in range(depth)]
+    d_r = dy
+    d_q = dy.clone() if cfg.residual else torch.zeros_like(dy)
+    for i in range(depth - 1, -1, -1):
+        d_beta += (d_r * hW[i]).sum(-1)
+        d_c += (d_r * hS[i]).sum(-1)
+        g_w, g_s = beta * d_r, c * d_r
+        w_left[i].append(h[i])
+        w_right[i].append(g_w)
+        dS[i].baddbmm_(h[i].transpose(1, 2), g_s)
+        d_h = torch.bmm(g_w, W[i].transpose(1, 2)).baddbmm_(g_s, S[i].transpose(1, 2))
+        # r −= (C ⊙ h aᵀ) δ
+        h_a = torch.bmm(h[i], a[i].transpose(1, 2))
+        r_d = torch.bmm(d_r, delta[i].transpose(1, 2))  # dr_t · δ_s
+        d_C -= r_d * h_a
+        M = C * r_d
+        d_h.baddbmm_(M, a[i], alpha=-1.0)
+        d_a[i].baddbmm_(M.transpose(1, 2), h[i], alpha=-1.0)
+        d_delta[i].baddbmm_((C * h_a).transpose(1, 2), d_r, alpha=-1.0)
+        if i > 0:
+            d_r = d_h * sigma_grad(r[i - 1])
+        else:
+            d_q += d_h
+
+    # 3. θ: C = D diag(θ), u_w = C[n,:], u_m = θ ⊙ E[n,:], θ = θ_raw · min(1, c/‖∇ℓ‖).
+    d_C[:, -1, :] += d_u_w
+    d_th = (d_C * dec.D).sum(-2) + d_u_m * dec.E_last
+    d_D = d_C * th.unsqueeze(-2)
+    d_E_last = d_u_m * th
+    d_theta = d_th
+    if cfg.max_grad_norm is not None:
+        d_theta = d_th * cache.scale
+        # scale = c / sqrt(max(sq, c²)): d scale / d sq = −scale / (2 sq) above the bound, 0 below
+        above = cache.sq_norm > cfg.max_grad_norm**2
+        d_sq = torch.where(above, -0.5 * d_th * theta * cache.scale / cache.sq_norm.clamp_min(1e-30), 0.0)
+        for i in range(depth):
+            sa, sd = (a[i] * a[i]).sum(-1), (delta[i] * delta[i]).sum(-1)
+            d_a[i] += (2.0 * d_sq * sd).unsqueeze(-1) * a[i]
+            d_delta[i] += (2.0 * d_sq * sa).unsqueeze(-1) * delta[i]
+
+    # 4. δ recursion: δ_i = m_i ⊙ σ'(p_i), m_i = δ_{i+1} W_{i+1}ᵀ.
+    d_p: list[Optional[Tensor]] = [None] * depth
+    for i in range(depth - 1):
+        d_m = d_delta[i] * sigma_grad(p[i])
+        d_p[i] = d_delta[i] * m[i] * sigma_grad2(p[i])
+        w_left[i + 1].append(d_m)
+        w_right[i + 1].append(delta[i + 1])
+        d_delta[i + 1].baddbmm_(d_m, W[i + 1])
+    d_out = 2.0 * d_delta[-1]  # δ_L = 2 (out − v)
+    d_v = -d_out
+
+    # 5. Keys: p_i = a_i W_i, a_{i+1} = σ(p_i), out = p_L (+ k).
+    d_k = d_out.clone() if cfg.residual else torch.zeros_like(d_out)
+    d_p[-1] = d_out
+    for i in range(depth - 1, -1, -1):
+        w_left[i].append(a[i])
+        w_right[i].append(d_p[i])
+        dW[i].baddbmm_(torch.cat(w_left[i], 1).transpose(1, 2), torch.cat(w_right[i], 1))
+        d_a[i].baddbmm_(d_p[i], W[i].transpose(1, 2))
+        if i > 0:
+            d_p[i - 1] += d_a[i] * sigma_grad(p[i - 1])
+        else:
+            d_k += d_a[0]
+
+    d_beta[:, -1] += d_beta_n
+    d_c[:, -1] += d_c_n
+    return ChunkGrads(d_q, d_k, d_v, d_theta, ChunkDecays(d_beta, d_c, d_D, d_E_last, d_e_n))
+
+
+# --- the scan over chunks ----------------------------------------------------------------------------
+
+
+def _chunk_bounds(seq: int, chunk_size: int) -> list[tuple[int, int]]:
+    bounds = [(s, s + chunk_size) for s in range(0, seq - seq % chunk_size, chunk_size)]
+    if seq % chunk_size:
+        bounds.append((seq - seq % chunk_size, seq))
+    return bounds
+
+
+def _block_decays(eta: Tensor, alpha: Tensor, chunk_size: int) -> list[ChunkDecays]:
+    """Decays of all full chunks in one batched computation (chunk dim 1), then of the ragged tail."""
+    seq = eta.shape[1]
+    full = seq - seq % chunk_size
+    blocks = []
+    if full:
+        blocks.append(decay_terms(eta[:, :full].unflatten(-1, (-1, chunk_size)),
+                                  alpha[:, :full].unflatten(-1, (-1, chunk_size))))
+    if full < seq:
+        blocks.append(decay_terms(eta[:, full:].unsqueeze(1), alpha[:, full:].unsqueeze(1)))
+    return blocks
+
+
+def _chunk_views(blocks: list[ChunkDecays]) -> list[ChunkDecays]:
+    """Per-chunk views into the blocks of `_block_decays`, in sequence order."""
+    return [ChunkDecays(*(x[:, j] for x in block)) for block in blocks for j in range(block.beta.shape[1])]
+
+
+def _groups(num_chunks: int, group_chunks: Optional[int]) -> list[range]:
+    size = group_chunks or num_chunks
+    return [range(s, min(s + size, num_chunks)) for s in range(0, num_chunks, size)]
+
+
+def _state_numel(state: State) -> int:
+    return sum(t.numel() for t in state)
+
+
+def _recompute_group(cfg: ScanConfig, start: State, chunks: range, bounds, q, k, v, theta, decays, y: Tensor,
+                     slots: list[State], last: Optional[State] = None) -> tuple[list[State], list[ChunkCache]]:
+    """Run the chunks of a group from `start`, chunk idx ending in `slots[idx]` and the last one in `last`
+    (None: not computed); return every chunk's starting state and cache."""
+    starts, caches = [start], []
+    for idx, j in enumerate(chunks):
+        s, e = bounds[j]
+        nxt = slots[idx] if idx + 1 < len(chunks) else last
+        caches.append(_chunk_forward(cfg, starts[-1], q[:, s:e], k[:, s:e], v[:, s:e], theta[:, s:e], decays[j],
+                                     y[:, s:e], nxt))
+        if nxt is not None:
+            starts.append(nxt)
+    return starts, caches
+
+
+class MemoryScan(torch.autograd.Function):
+    """(q, k, v, θ, η, α, W_1, S_1, …) -> (y, W_1', S_1', …), all `[BH, …]`; see the module docstring.
+
+    Recording for the backward pass, the chunks form groups (`ScanConfig.group_chunks`). With one group,
+    the forward pass keeps every chunk's state and cache (in a pooled buffer) and the backward pass
+    uses them. With several, only the group boundaries are kept and each group is recomputed.
+    """
+
+    @staticmethod
+    def forward(ctx, cfg: ScanConfig, q, k, v, theta, eta, alpha, *state):  # type: ignore[override]
+        bounds = _chunk_bounds(q.shape[1], cfg.chunk_size)
+        decays = _chunk_views(_block_decays(eta, alpha, cfg.chunk_size))
+        groups = _groups(len(bounds), cfg.group_chunks) if cfg.record else [range(len(bounds))]
+        y = q.new_empty(q.shape[:2] + (v.shape[2],))
+        template = list(state)
+        ctx.kept = None
+        if cfg.record and len(groups) == 1:
+            buf = _acquire(max(len(bounds) - 1, 1) * _state_numel(template), q)
+            final = _fresh_like(template)
+            starts, caches = _recompute_group(cfg, template, groups[0], bounds, q, k, v, theta, decays, y,
+                                              _carve(buf, template, len(bounds) - 1), final)
+            ctx.kept = (buf, starts, caches)
+            boundaries: list[Tensor] = []
+        else:
+            buf = _acquire(2 * _state_numel(template), q)
+            slots = _carve(buf, template, 2)
+            cur, boundaries = template, []
+            for chunks in groups:
+                if chunks.start > 0:
+                    boundaries.extend(cur)
+                for idx, j in enumerate(chunks):
+                    s, e = bounds[j]
+                    # Chunks alternate between the two slots; a group's end state is fresh memory (saved
+                    # as the next group's boundary, or returned).
+                    nxt = _fresh_like(template) if idx == len(chunks) - 1 else slots[idx % 2]
+                    _chunk_forward(cfg, cur, q[:, s:e], k[:, s:e], v[:, s:e], theta[:, s:e], decays[j], y[:, s:e],
+                                   nxt)
+                    cur = nxt
+            final = cur
+            _release(buf)
+        if cfg.record:
+            ctx.cfg, ctx.n_state = cfg, len(state)
+            ctx.save_for_backward(q, k, v, theta, eta, alpha, *state, *boundaries)
+        return (y, *final)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy, *d_final):  # type: ignore[override]
+        cfg: ScanConfig = ctx.cfg
+        q, k, v, theta, eta, alpha, *saved = ctx.saved_tensors
+        n = ctx.n_state
+        boundaries = [list(saved[i : i + n]) for i in range(0, len(saved), n)]  # first: the input state
+        template = boundaries[0]
+        bounds = _chunk_bounds(q.shape[1], cfg.chunk_size)
+        decays = _chunk_views(_block_decays(eta, alpha, cfg.chunk_size))
+        d_blocks = [ChunkDecays(*(torch.zeros_like(x) for x in block))
+                    for block in _block_decays(eta, alpha, cfg.chunk_size)]
+        d_decays = _chunk_views(d_blocks)
+        kept, ctx.kept = ctx.kept, None
+        groups = [range(len(bounds))] if kept is not None else _groups(len(bounds), cfg.group_chunks)
+
+        # Workspace: two slots between which the state gradient ping-pongs, then (recomputing) the chunk
+        # states of one group.
+        recompute = 0 if kept is not None else max(len(g) for g in groups) - 1
+        buf = _acquire((2 + recompute) * _state_numel(template), q)
+        slots = _carve(buf, template, 2 + recompute)
+        d_slots, recompute_slots = slots[:2], slots[2:]
+        d_cur = d_slots[0]
+        for t, d in zip(d_cur, d_final):
+            t.copy_(d)
+        dy = dy.contiguous()
+        d_q, d_k, d_v, d_theta = (torch.empty_like(t) for t in (q, k, v, theta))
+        y_scratch = torch.empty_like(dy) if kept is None else None
+
+        flip = 1
+        for g in range(len(groups) - 1, -1, -1):
+            chunks = groups[g]
+            if kept is not None:
+                starts, caches = kept[1], kept[2]
+            else:
+                starts, caches = _recompute_group(cfg, boundaries[g], chunks, bounds, q, k, v, theta, decays,
+                                                  y_scratch, recompute_slots)
+            for idx in range(len(chunks) - 1, -1, -1):
+                j = chunks[idx]
+                s, e = bounds[j]
+                # The first chunk's gradient leaves the function: fresh memory, not the workspace.
+                d_prev = _fresh_like(template) if j == 0 else d_slots[flip]
+                grads = _chunk_backward(cfg, starts[idx], caches[idx], theta[:, s:e], decays[j], dy[:, s:e],
+                                        d_cur, d_prev)
+                d_q[:, s:e], d_k[:, s:e], d_v[:, s:e], d_theta[:, s:e] = grads.q, grads.k, grads.v, grads.theta
+                for dst, src in zip(d_decays[j], grads.decays):
+                    dst.copy_(src)
+                d_cur, flip = d_prev, 1 - flip
+            del starts, caches
+        _release(buf)
+        if kept is not None:
+            _release(kept[0])
+
+        # The gate algebra (η, α -> decays) is small: autograd differentiates it.
+        with torch.enable_grad():
+            eta_, alpha_ = eta.detach().requires_grad_(), alpha.detach().requires_grad_()
+            outs = [x for block in _block_decays(eta_, alpha_, cfg.chunk_size) for x in block]
+            d_eta, d_alpha = torch.autograd.grad(outs, (eta_, alpha_), [x for b in d_blocks for x in b])
+        return (None, d_q, d_k, d_v, d_theta, d_eta, d_alpha, *d_cur)

@@ -1,0 +1,119 @@
+"""The fused memory (hand-written backward, pooled buffers) against the autograd dual form, in float64.
+
+`test_functional.py` already holds both implementations to the token-by-token reference; here the fused
+one is checked where its own machinery could go wrong: every option of the hand-written backward,
+recomputation groups, the buffer pool shared by interleaved calls, and states that must not alias it.
+"""
+
+import itertools
+
+import pytest
+import torch
+
+from titans.memory import parallel_memory
+from titans.memory.fused import release_workspace
+
+from .test_functional import flat, make_inputs, max_diff
+
+
+def outputs_and_grads(args, implementation, **kwargs):
+    y, W, S = parallel_memory(*args, implementation=implementation, **kwargs)
+    outs = [y, *W, *S]
+    g = torch.Generator().manual_seed(1)
+    loss = sum((o * torch.randn(o.shape, generator=g, dtype=o.dtype)).sum() for o in outs)
+    return outs, torch.autograd.grad(loss, flat(args))
+
+
+@pytest.mark.parametrize(
+    "depth, activation, residual, max_grad_norm",
+    list(itertools.product([1, 2, 3], ["gelu", "silu"], [True, False], [None, 0.5])),
+)
+def test_fused_matches_autograd_values_and_gradients(depth, activation, residual, max_grad_norm):
+    args = make_inputs(seq=23, depth=depth, requires_grad=True)
+    kwargs = dict(chunk_size=4, activation=activation, residual=residual, max_grad_norm=max_grad_norm)
+    fused = outputs_and_grads(args, "fused", **kwargs)
+    plain = outputs_and_grads(args, "autograd", **kwargs)
+    assert max_diff(fused[0], plain[0]) <= 1e-10
+    assert max_diff(fused[1], plain[1]) <= 1e-10
+    if max_grad_norm is not None:  # the bound must be active for the test to cover its backward
+        unbounded = parallel_memory(*args, chunk_size=4, activation=activation, residual=residual)[0]
+        assert (unbounded - fused[0][0]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("seq, chunk_size, group", [(16, 4, 1), (23, 4, 2), (23, 4, 3), (30, 7, 2), (5, 8, 1)])
+def test_recomputation_groups_do_not_change_gradients(seq, chunk_size, group):
+    """Groups of `group` chunks recomputed in the backward pass, ragged tails included, against no groups."""
+    args = make_inputs(seq=seq, depth=2, requires_grad=True)
+    grouped = outputs_and_grads(args, "fused", chunk_size=chunk_size, checkpoint_chunks=group)
+    plain = outputs_and_grads(args, "autograd", chunk_size=chunk_size)
+    assert max_diff(grouped[0], plain[0]) <= 1e-10
+    assert max_diff(grouped[1], plain[1]) <= 1e-10
+
+
+def test_gradcheck_with_groups_and_a_ragged_tail():
+    q, k, v, theta, eta, alpha, weights, momentum = make_inputs(batch=1, heads=2, seq=7, dim=2, hidden=3,
+                                                                requires_grad=True)
+
+    def fn(q, k, v, theta, eta, alpha, w1, w2, s1, s2):
+        y, W, S = parallel_memory(q, k, v, theta, eta, alpha, (w1, w2), (s1, s2), chunk_size=2, checkpoint_chunks=2,
+                                  activation="silu", max_grad_norm=0.8)
+        return (y, *W, *S)
+
+    assert torch.autograd.gradcheck(fn, (q, k, v, theta, eta, alpha, *weights, *momentum), eps=1e-6, atol=1e-7)
+
+
+def test_interleaved_calls_share_the_pool_safely():
+    """Two layers' forward passes, then their backward passes in reverse order (as in a stacked model):
+    one call keeps its states in a pooled buffer until its backward pass while the other recomputes in
+    pooled buffers; neither may see the other's data."""
+    first = make_inputs(seq=20, depth=2, seed=1, requires_grad=True)
+    second = make_inputs(seq=20, depth=2, seed=2, requires_grad=True)
+    y1 = parallel_memory(*first, chunk_size=4)[0]
+    y2 = parallel_memory(*second, chunk_size=4, checkpoint_chunks=2)[0]
+    probe = torch.randn(y1.shape, generator=torch.Generator().manual_seed(1), dtype=y1.dtype)
+    grads2 = torch.autograd.grad((y2 * probe).sum(), flat(second))
+    grads1 = torch.autograd.grad((y1 * probe).sum(), flat(first))
+    for args, grads in ((first, grads1), (second, grads2)):
+        y = parallel_memory(*args, chunk_size=4, implementation="autograd")[0]
+        assert max_diff(grads, torch.autograd.grad((y * probe).sum(), flat(args))) <= 1e-10
+
+
+def test_returned_states_do_not_alias_the_pool():
+    args = make_inputs(seq=24, depth=2)
+    with torch.no_grad():
+        y, W, S = parallel_memory(*args, chunk_size=4)
+        kept = [t.clone() for t in (y, *W, *S)]
+        parallel_memory(*make_inputs(seq=24, depth=2, seed=3), chunk_size=4)  # reuses the pool
+    assert max_diff([y, *W, *S], kept) == 0
+
+
+def test_no_grad_and_recorded_forward_agree():
+    args = make_inputs(seq=21, depth=3, requires_grad=True)
+    with torch.no_grad():
+        free = parallel_memory(*args, chunk_size=4)
+    recorded = parallel_memory(*args, chunk_size=4, checkpoint_chunks=2)
+    assert max_diff([free[0], *free[1], *free[2]], [recorded[0], *recorded[1], *recorded[2]]) == 0
+
+
+def test_broadcast_initial_weights_receive_summed_gradients():
+    """NeuralMemory shares learned initial weights across the batch with `expand` (stride 0)."""
+    q, k, v, theta, eta, alpha, weights, _ = make_inputs(seq=12, depth=2)
+    shared = [w[:1, :1].clone().requires_grad_() for w in weights]
+    expanded = tuple(w.expand_as(ref) for w, ref in zip(shared, weights))
+    grads = []
+    for implementation in ("fused", "autograd"):
+        y, W, _ = parallel_memory(q, k, v, theta, eta, alpha, expanded, chunk_size=4, implementation=implementation)
+        grads.append(torch.autograd.grad((y**2).sum() + W[1].sum(), shared))
+    assert max_diff(*grads) <= 1e-10
+
+
+def test_release_workspace_then_run_again():
+    args = make_inputs(seq=12, depth=2)
+    before = parallel_memory(*args, chunk_size=4)[0]
+    release_workspace()
+    assert torch.equal(parallel_memory(*args, chunk_size=4)[0], before)
+
+
+def test_unknown_implementation_is_named():
+    with pytest.raises(ValueError, match="implementation"):
+        parallel_memory(*make_inputs(seq=4), implementation="cuda")
