@@ -10,8 +10,7 @@ import itertools
 import pytest
 import torch
 
-from titans.memory import parallel_memory
-from titans.memory.fused import release_workspace
+from titans.memory import parallel_memory, release_workspace
 
 from .test_functional import flat, make_inputs, max_diff
 
