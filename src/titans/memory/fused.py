@@ -11,7 +11,8 @@ state used four times are summed in four fresh tensors, slicing a stacked state 
   the state in place with rank-n `baddbmm_` updates; only the tiny gate algebra (η, α → decays, a few
   n × n matrices) goes through autograd;
 * the states of a group of chunks are recomputed in the backward pass from a saved group boundary
-  (activation checkpointing), so memory holds O(√chunks) states whatever the sequence length;
+  (activation checkpointing); with groups of √chunks (NeuralMemory's choice beyond 64 chunks) memory
+  holds O(√chunks) states;
 * those buffers live in a per-thread workspace that is kept between calls, so a training loop touches
   warm memory instead of page-faulting hundreds of MiB per step.
 
@@ -41,7 +42,7 @@ class ScanConfig:
     activation: str
     residual: bool
     max_grad_norm: Optional[float]
-    group_chunks: Optional[int]  # chunks per recomputation group; None: ⌈√chunks⌉
+    group_chunks: Optional[int]  # chunks per recomputation group; None: one group, nothing recomputed
     record: bool  # save what the backward pass needs
 
 
@@ -431,9 +432,9 @@ class MemoryScan(torch.autograd.Function):
         boundaries = [list(saved[i : i + n]) for i in range(0, len(saved), n)]  # first: the input state
         template = boundaries[0]
         bounds = _chunk_bounds(q.shape[1], cfg.chunk_size)
-        decays = _chunk_views(_block_decays(eta, alpha, cfg.chunk_size))
-        d_blocks = [ChunkDecays(*(torch.zeros_like(x) for x in block))
-                    for block in _block_decays(eta, alpha, cfg.chunk_size)]
+        blocks = _block_decays(eta, alpha, cfg.chunk_size)
+        decays = _chunk_views(blocks)
+        d_blocks = [ChunkDecays(*(torch.zeros_like(x) for x in block)) for block in blocks]
         d_decays = _chunk_views(d_blocks)
         kept, ctx.kept = ctx.kept, None
         groups = [range(len(bounds))] if kept is not None else _groups(len(bounds), cfg.group_chunks)
