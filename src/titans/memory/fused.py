@@ -46,7 +46,7 @@ import torch
 from torch import Tensor
 
 from .decays import chunk_decays
-from .mlp import ACTIVATIONS, grad_norm_scale
+from .mlp import ACTIVATION_VJPS, ACTIVATIONS, grad_norm_scale
 
 State = list[Tensor]  # per layer [W_i | S_i], each [BH, d_in, 2 d_out]
 
@@ -174,7 +174,7 @@ def _block_forward(
 
     `starts`: the chunks' first tokens within the block (the first is 0).
     """
-    sigma, sigma_grad, _ = ACTIVATIONS[cfg.activation]
+    sigma, sigma_vjp = ACTIVATIONS[cfg.activation][0], ACTIVATION_VJPS[cfg.activation]
     depth, (bh, T, _) = len(ws), k.shape
     dims = [w.shape[-1] // 2 for w in ws]
     start_beta, start_c = _chunk_starts(dec, starts)
@@ -216,7 +216,7 @@ def _block_forward(
             if gamma is not None:
                 mi.baddbmm_(torch.bmm(dl, delta[i + 1][:, :s].transpose(1, 2)), gamma * a[i + 1][:, :s], alpha=-1.0)
             m[i][:, s:e] = mi  # type: ignore[index]
-            dl = mi * sigma_grad(p[i][:, s:e])
+            dl = sigma_vjp(mi, p[i][:, s:e])
             delta[i][:, s:e] = dl
         if bounded:
             # ‖a_sᵀ δ_s‖_F = ‖a_s‖ ‖δ_s‖: token gradient norms without the per-token gradients
@@ -290,7 +290,7 @@ def _block_backward(
     the second-order part of the outer gradient, then the layers). Every ∂L/∂[W_i | S_i] term is a product
     xᵀ g of rows; they are collected and applied at the end as one matmul per layer.
     """
-    _, sigma_grad, sigma_grad2 = ACTIVATIONS[cfg.activation]
+    sigma_grad2, sigma_vjp = ACTIVATIONS[cfg.activation][2], ACTIVATION_VJPS[cfg.activation]
     depth, (bh, T, _) = len(ws), cache.a[0].shape
     dims = [w.shape[-1] // 2 for w in ws]
     a, p, a_ws, m, delta = cache.a, cache.p, cache.a_ws, cache.m, cache.delta
@@ -347,7 +347,7 @@ def _block_backward(
         d_a[i].baddbmm_(M.transpose(1, 2), h, alpha=-1.0)
         d_delta[i].baddbmm_((C * h_a).transpose(1, 2), d_r, alpha=-1.0)
         if i > 0:
-            d_r = d_h * sigma_grad(cache.r[i - 1])
+            d_r = sigma_vjp(d_h, cache.r[i - 1])
         else:
             d_q += d_h
     d_C[:, -1, :] += d_u_w
@@ -359,7 +359,6 @@ def _block_backward(
     ends = starts[1:] + [T]
     chunk_of_row = torch.repeat_interleave(torch.arange(len(starts)), torch.tensor([e - s for s, e in zip(starts, ends)]))
     row_coef = torch.stack([cache.start_beta, cache.start_c], -1)[:, chunk_of_row].unsqueeze(-1)  # [BH, T, 2, 1]
-    sg = [sigma_grad(x) for x in p[:-1]]
     sg2 = [sigma_grad2(x) for x in p[:-1]]
     d_P = [torch.empty_like(x) for x in p]  # ∂L/∂p_i
     d_M = [torch.empty_like(x) for x in m[:-1]]  # ∂L/∂m_i
@@ -390,7 +389,7 @@ def _block_backward(
         d_p: list[Optional[Tensor]] = [None] * depth
         for i in range(depth - 1):
             dd, nxt, d = d_delta[i][:, s:e], delta[i + 1][:, s:e], dims[i + 1]
-            d_m = dd * sg[i][:, s:e]
+            d_m = sigma_vjp(dd, p[i][:, s:e])
             d_p[i] = dd * m[i][:, s:e] * sg2[i][:, s:e]  # type: ignore[index]
             d_M[i][:, s:e] = d_m
             dm_ws = torch.bmm(d_m, ws[i + 1])  # [d_m W | d_m S]
@@ -415,7 +414,7 @@ def _block_backward(
                 d_x += _correction_backward(x, a[i][:, :s], delta[i][:, :s], gamma, dp, d_a[i][:, :s],
                                             d_delta[i][:, :s], d_gamma)
             if i > 0:
-                d_prev = d_x * sg[i - 1][:, s:e]
+                d_prev = sigma_vjp(d_x, p[i - 1][:, s:e])
                 d_p[i - 1] = d_prev if d_p[i - 1] is None else d_p[i - 1] + d_prev
             else:
                 d_k[:, s:e] = d_x + d_out if cfg.residual else d_x
