@@ -56,18 +56,6 @@ def test_blocks_of_any_size_match_autograd(depth, block_chunks, max_grad_norm, g
     assert max_diff(fused[1], plain[1]) <= 1e-10
 
 
-def test_gradcheck_across_blocks():
-    q, k, v, theta, eta, alpha, weights, momentum = make_inputs(batch=1, heads=1, seq=9, dim=2, hidden=3,
-                                                                requires_grad=True)
-
-    def fn(q, k, v, theta, eta, alpha, w1, w2, s1, s2):
-        y, W, S = parallel_memory(q, k, v, theta, eta, alpha, (w1, w2), (s1, s2), chunk_size=2, block_chunks=2,
-                                  max_grad_norm=0.8)
-        return (y, *W, *S)
-
-    assert torch.autograd.gradcheck(fn, (q, k, v, theta, eta, alpha, *weights, *momentum), eps=1e-6, atol=1e-7)
-
-
 @pytest.mark.parametrize("seq, chunk_size, group", [(16, 4, 1), (23, 4, 2), (23, 4, 3), (30, 7, 2), (5, 8, 1)])
 def test_recomputation_groups_do_not_change_gradients(seq, chunk_size, group):
     """Groups of `group` chunks recomputed in the backward pass, ragged tails included, against no groups."""
@@ -78,13 +66,17 @@ def test_recomputation_groups_do_not_change_gradients(seq, chunk_size, group):
     assert max_diff(grouped[1], plain[1]) <= 1e-10
 
 
-def test_gradcheck_with_groups_and_a_ragged_tail():
-    q, k, v, theta, eta, alpha, weights, momentum = make_inputs(batch=1, heads=2, seq=7, dim=2, hidden=3,
+@pytest.mark.parametrize("heads, seq, options", [
+    (2, 7, dict(checkpoint_chunks=2, activation="silu")),  # recomputation groups, a ragged tail
+    (1, 9, dict(block_chunks=2)),  # several blocks, the last one ragged
+])
+def test_gradcheck_with_the_bound(heads, seq, options):
+    q, k, v, theta, eta, alpha, weights, momentum = make_inputs(batch=1, heads=heads, seq=seq, dim=2, hidden=3,
                                                                 requires_grad=True)
 
     def fn(q, k, v, theta, eta, alpha, w1, w2, s1, s2):
-        y, W, S = parallel_memory(q, k, v, theta, eta, alpha, (w1, w2), (s1, s2), chunk_size=2, checkpoint_chunks=2,
-                                  activation="silu", max_grad_norm=0.8)
+        y, W, S = parallel_memory(q, k, v, theta, eta, alpha, (w1, w2), (s1, s2), chunk_size=2, max_grad_norm=0.8,
+                                  **options)
         return (y, *W, *S)
 
     assert torch.autograd.gradcheck(fn, (q, k, v, theta, eta, alpha, *weights, *momentum), eps=1e-6, atol=1e-7)
