@@ -67,10 +67,9 @@ class NeuralMemory(nn.Module):
             about (1 − α)^n of what it wrote n tokens ago, so long contexts want a small value.
         max_grad_norm: bound on each token's inner gradient norm (θ_t scaled by min(1, c / ‖∇ℓ_t‖), see
             `parallel_memory`); None: the paper's unbounded step.
-        checkpoint_chunks: chunks per recomputation group in training. None (default) chooses: everything
-            the backward pass needs is kept up to 128 chunks (about 1.4 GiB at batch 4, dim 256, 2048 tokens),
-            beyond that groups of ⌈√chunks⌉ chunks are recomputed in the backward pass, so training holds
-            O(√T) states instead of one per block of chunks; 0 disables it.
+        checkpoint_chunks: chunks per recomputation group in training. None (default) chooses: every
+            chunk's state is kept up to 64 chunks, beyond that groups of ⌈√chunks⌉ chunks are recomputed in the
+            backward pass, so training holds O(√T) states instead of one per chunk; 0 disables it.
     """
 
     def __init__(
@@ -192,7 +191,7 @@ class NeuralMemory(nn.Module):
         if self.checkpoint_chunks is not None:
             return self.checkpoint_chunks or None
         chunks = seq // self.chunk_size
-        return math.isqrt(chunks - 1) + 1 if chunks > 128 else None
+        return math.isqrt(chunks - 1) + 1 if chunks > 64 else None
 
     def _memory(self, q, k, v, gates, weights, momentum) -> tuple[Tensor, Weights, Weights]:
         theta, eta, alpha = self._gate_values(gates)

@@ -121,13 +121,13 @@ def _run_chunks(
 
 
 def _fused_memory(q, k, v, theta, eta, alpha, weights, momentum, chunk_size, activation, residual,
-                  checkpoint_chunks, max_grad_norm, block_chunks) -> tuple[Tensor, Weights, Weights]:
+                  checkpoint_chunks, max_grad_norm) -> tuple[Tensor, Weights, Weights]:
     """`parallel_memory` through `fused.MemoryScan`, which works on `[batch·heads, …]` contiguous tensors."""
     batch, heads = k.shape[:2]
     inputs = [t.reshape(batch * heads, *t.shape[2:]).contiguous() for t in (q, k, v, theta, eta, alpha)]
     state = [t.reshape(batch * heads, *t.shape[2:]).contiguous() for pair in zip(weights, momentum) for t in pair]
     record = torch.is_grad_enabled() and any(t.requires_grad for t in inputs + state)
-    cfg = ScanConfig(chunk_size, activation, residual, max_grad_norm, checkpoint_chunks, record, block_chunks)
+    cfg = ScanConfig(chunk_size, activation, residual, max_grad_norm, checkpoint_chunks, record)
     y, *final = MemoryScan.apply(cfg, *inputs, *state)
     final = [t.view(batch, heads, *t.shape[1:]) for t in final]
     return y.view(batch, heads, *y.shape[1:]), tuple(final[0::2]), tuple(final[1::2])
@@ -148,7 +148,6 @@ def parallel_memory(
     checkpoint_chunks: Optional[int] = None,
     max_grad_norm: Optional[float] = None,
     implementation: str = "fused",
-    block_chunks: int = 4,
 ) -> tuple[Tensor, Weights, Weights]:
     """Run the Titans memory over a sequence; return (y, weights after the last token, momentum).
 
@@ -171,9 +170,6 @@ def parallel_memory(
         implementation: "fused" (default; `fused.py`: hand-written backward, reused buffers) or "autograd"
             (this module's chunk loop under autograd: slower, but twice differentiable). A callable θ always
             takes the autograd path.
-        block_chunks: fused path only: chunks per block, the span over which the state is never materialised
-            (the weights inside a block are its starting state plus low-rank corrections). Any value gives the
-            same result; 4 was fastest on a 2-core CPU at dim 256 (2, 8 and 16 measured too).
 
     A sequence whose length is not a multiple of `chunk_size` ends with a ragged chunk. The state is
     kept in the dtype of `weights` (use float32 there even when q/k/v are bf16).
@@ -184,8 +180,6 @@ def parallel_memory(
         raise ValueError(f"checkpoint_chunks must be a positive integer or None, got {checkpoint_chunks!r}")
     if implementation not in ("fused", "autograd"):
         raise ValueError(f"implementation must be 'fused' or 'autograd', got {implementation!r}")
-    if not isinstance(block_chunks, int) or block_chunks < 1:
-        raise ValueError(f"block_chunks must be a positive integer, got {block_chunks!r}")
     out_dtype = q.dtype
     state_dtype = weights[0].dtype
     q, k, v = (t.to(state_dtype) for t in (q, k, v))
@@ -194,7 +188,7 @@ def parallel_memory(
     eta, alpha = eta.to(state_dtype), alpha.to(state_dtype)
     if implementation == "fused" and isinstance(theta, Tensor) and k.shape[2] > 0:
         y, W, S = _fused_memory(q, k, v, theta, eta, alpha, weights, momentum, chunk_size, activation, residual,
-                                checkpoint_chunks, max_grad_norm, block_chunks)
+                                checkpoint_chunks, max_grad_norm)
         return y.to(out_dtype), W, S
     WS = tuple(torch.cat([w, s], dim=-2) for w, s in zip(weights, momentum))  # state stacked [W; S]
 
