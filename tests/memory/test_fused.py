@@ -39,6 +39,16 @@ def test_fused_matches_autograd_values_and_gradients(depth, activation, residual
         assert (unbounded - fused[0][0]).abs().max() > 1e-3
 
 
+def test_large_states_take_the_blas_dot_path():
+    """States of 64k elements or more per (batch, head) use per-batch BLAS dots for the decay gradients."""
+    args = make_inputs(batch=2, heads=1, seq=10, dim=64, hidden=1024, requires_grad=True)
+    assert args[6][0][0, 0].numel() >= 1 << 16
+    fused = outputs_and_grads(args, "fused", chunk_size=4)
+    plain = outputs_and_grads(args, "autograd", chunk_size=4)
+    assert max_diff(fused[0], plain[0]) <= 1e-10
+    assert max_diff(fused[1], plain[1]) <= 1e-10
+
+
 @pytest.mark.parametrize("seq, chunk_size, group", [(16, 4, 1), (23, 4, 2), (23, 4, 3), (30, 7, 2), (5, 8, 1)])
 def test_recomputation_groups_do_not_change_gradients(seq, chunk_size, group):
     """Groups of `group` chunks recomputed in the backward pass, ragged tails included, against no groups."""
