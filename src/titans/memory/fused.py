@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from .decays import chunk_decays
-from .mlp import ACTIVATION_VJPS, ACTIVATIONS, grad_norm_scale
+from .mlp import ACTIVATION_VJPS, ACTIVATIONS, grad_norm_scale, token_grad_sq_norm
 
 State = list[Tensor]  # [W_1, S_1, W_2, S_2, …], each [BH, d_in, d_out]
 
@@ -161,8 +161,7 @@ def _chunk_forward(
         delta[i] = sigma_vjp(m[i], p[i])
     scale = sq_norm = None
     if cfg.max_grad_norm is not None:
-        # ‖a_sᵀ δ_s‖_F = ‖a_s‖ ‖δ_s‖: token gradient norms without the per-token gradients
-        sq_norm = sum((ai * ai).sum(-1) * (di * di).sum(-1) for ai, di in zip(a, delta))
+        sq_norm = token_grad_sq_norm(a, delta)
         scale = grad_norm_scale(sq_norm, cfg.max_grad_norm)
         theta = theta * scale
     C = dec.D * theta.unsqueeze(-2)

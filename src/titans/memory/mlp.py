@@ -105,6 +105,12 @@ def backward_deltas(out: Tensor, v: Tensor, weights: Weights, preacts: list[Tens
     return deltas
 
 
+def token_grad_sq_norm(inputs: list[Tensor], deltas: list[Tensor]) -> Tensor:
+    """‖∇ℓ_t‖² over all layers from each layer's input a_t and δ_t, per token: token t's gradient for a layer
+    is the outer product a_tᵀ δ_t, whose Frobenius norm is ‖a_t‖ ‖δ_t‖, so no per-token gradient is formed."""
+    return sum((a * a).sum(-1) * (d * d).sum(-1) for a, d in zip(inputs, deltas))
+
+
 def grad_norm_scale(sq_norm: Tensor, max_grad_norm: float | None) -> Tensor | float:
     """min(1, c / ‖∇ℓ_t‖) from the squared norm: the factor that bounds token t's step to θ_t · c.
 
@@ -114,4 +120,3 @@ def grad_norm_scale(sq_norm: Tensor, max_grad_norm: float | None) -> Tensor | fl
     if max_grad_norm is None:
         return 1.0
     return max_grad_norm * torch.rsqrt(sq_norm.clamp_min(max_grad_norm**2))
-

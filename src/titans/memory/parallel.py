@@ -22,7 +22,14 @@ from torch.utils.checkpoint import checkpoint
 from .checks import Theta, check_memory_args
 from .decays import Decays, chunk_decays
 from .fused import MemoryScan, ScanConfig
-from .mlp import ACTIVATIONS, Weights, backward_deltas, forward_cached, grad_norm_scale
+from .mlp import (
+    ACTIVATIONS,
+    Weights,
+    backward_deltas,
+    forward_cached,
+    grad_norm_scale,
+    token_grad_sq_norm,
+)
 
 
 def _flat3(t: Tensor) -> Tensor:
@@ -54,9 +61,7 @@ def _chunk_step(
         theta = theta(((out - v) ** 2).sum(-1), start, start + k.shape[2])
     deltas = backward_deltas(out, v, W0, preacts, activation)
     if max_grad_norm is not None:
-        # ‖a_sᵀ δ_s‖_F = ‖a_s‖ ‖δ_s‖ (an outer product), so token norms need no per-token gradient either
-        sq_norm = sum((a**2).sum(-1) * (d**2).sum(-1) for a, d in zip(inputs, deltas))
-        theta = theta * grad_norm_scale(sq_norm, max_grad_norm)
+        theta = theta * grad_norm_scale(token_grad_sq_norm(inputs, deltas), max_grad_norm)
     C = decays.B @ (decays.E * theta.unsqueeze(-2))  # C[t,s] = Σ_r B[t,r] E[r,s] θ_s
     beta, c = decays.beta.unsqueeze(-1), decays.c.unsqueeze(-1)
 
