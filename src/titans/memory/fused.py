@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from .decays import chunk_decays
-from .mlp import ACTIVATION_VJPS, ACTIVATIONS, grad_norm_scale, token_grad_sq_norm
+from .mlp import ACTIVATION_VJPS, ACTIVATIONS, forward_cached, grad_norm_scale, token_grad_sq_norm
 
 State = list[Tensor]  # [W_1, S_1, W_2, S_2, …], each [BH, d_in, d_out]
 
@@ -146,13 +146,7 @@ def _chunk_forward(
     W, S = state[0::2], state[1::2]
     depth = len(W)
     # Keys at the chunk's starting weights: the associative loss ℓ_t = ‖M(k_t) − v_t‖² (eq. 12) and its δ.
-    a, p = [], []
-    x = k
-    for i in range(depth):
-        a.append(x)
-        p.append(torch.bmm(x, W[i]))
-        x = sigma(p[i]) if i < depth - 1 else p[i]
-    out = x + k if cfg.residual else x
+    out, a, p = forward_cached(k, W, cfg.activation, cfg.residual)
     delta: list[Tensor] = [None] * depth  # type: ignore[list-item]
     m: list[Tensor] = [None] * depth  # type: ignore[list-item]
     delta[-1] = 2.0 * (out - v)
