@@ -428,7 +428,11 @@ class MemoryScan(torch.autograd.Function):
         boundaries = [list(saved[i : i + n]) for i in range(0, len(saved), n)]  # first: the input state
         template = boundaries[0]
         bounds = _chunk_bounds(q.shape[1], cfg.chunk_size)
-        blocks = _block_decays(eta, alpha, cfg.chunk_size)
+        # The gate algebra (η, α -> decays) is small: autograd differentiates it at the end, from this graph.
+        with torch.enable_grad():
+            eta_, alpha_ = eta.detach().requires_grad_(), alpha.detach().requires_grad_()
+            graph_blocks = _block_decays(eta_, alpha_, cfg.chunk_size)
+        blocks = [ChunkDecays(*(x.detach() for x in block)) for block in graph_blocks]
         decays = _chunk_views(blocks)
         d_blocks = [ChunkDecays(*(torch.zeros_like(x) for x in block)) for block in blocks]
         d_decays = _chunk_views(d_blocks)
@@ -472,9 +476,6 @@ class MemoryScan(torch.autograd.Function):
         if kept is not None:
             _release(kept[0])
 
-        # The gate algebra (η, α -> decays) is small: autograd differentiates it.
-        with torch.enable_grad():
-            eta_, alpha_ = eta.detach().requires_grad_(), alpha.detach().requires_grad_()
-            outs = [x for block in _block_decays(eta_, alpha_, cfg.chunk_size) for x in block]
-            d_eta, d_alpha = torch.autograd.grad(outs, (eta_, alpha_), [x for b in d_blocks for x in b])
+        outs = [x for block in graph_blocks for x in block]
+        d_eta, d_alpha = torch.autograd.grad(outs, (eta_, alpha_), [x for b in d_blocks for x in b])
         return (None, d_q, d_k, d_v, d_theta, d_eta, d_alpha, *d_cur)
