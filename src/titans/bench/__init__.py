@@ -76,3 +76,21 @@ def memory(
     if out is not None:
         out.write_text(json.dumps([p.__dict__ for p in points], indent=2))
         typer.echo(f"wrote {out}")
+
+
+@bench_app.command("matmul")
+def matmul(
+    rows: int = typer.Option(16, min=1, help="Rows of the small operand (the memory's chunk size)."),
+    d_in: int = typer.Option(256, min=1, help="State matrix rows (the memory's dim)."),
+    d_out: int = typer.Option(1024, min=1, help="State matrix columns (dim × expansion)."),
+    batch: int = typer.Option(4, min=1),
+    dram_mib: int = typer.Option(128, min=1, help="Distinct state memory cycled through for the DRAM case "
+                                                  "(make it several times the last-level cache)."),
+    repeats: int = typer.Option(5, min=1, help="Timed passes (the best is reported)."),
+) -> None:
+    """The memory's n-row state products from cache and from DRAM, beside the machine's streaming bandwidth."""
+    from .matmul import format_table, measure, stream_gib_s
+
+    typer.echo(format_table(measure(rows, d_in, d_out, batch, dram_mib, repeats)))
+    typer.echo(f"streaming read (sum over {dram_mib} MiB): {stream_gib_s(dram_mib, repeats):.1f} GiB/s; "
+               f"{__import__('torch').get_num_threads()} threads")
