@@ -64,6 +64,27 @@ def test_parallel_equals_sequential_without_residual_and_zero_momentum(residual,
     assert max_diff([out_p[0], *out_p[1], *out_p[2]], [out_s[0], *out_s[1], *out_s[2]]) <= 1e-10
 
 
+@pytest.mark.parametrize("depth, width, implementation", list(itertools.product([1, 2], [3, 6], IMPLEMENTATIONS)))
+def test_values_of_another_width_without_residual(depth, width, implementation):
+    """Without the residual, M maps dim-d keys to width-w values: outputs, states and the gradients of every
+    input (q and k keep their own width) agree with the reference."""
+    args = make_inputs(seq=13, depth=depth, seed=3)
+    g = torch.Generator().manual_seed(4)
+    args[2] = torch.randn(2, 2, 13, width, generator=g, dtype=DT)
+    last = args[6][-1]
+    args[6] = (*args[6][:-1], torch.randn(*last.shape[:3], width, generator=g, dtype=DT) / last.shape[2] ** 0.5)
+    args[7] = (*args[7][:-1], 0.1 * torch.randn(*last.shape[:3], width, generator=g, dtype=DT))
+    args = [tuple(t.requires_grad_() for t in a) if isinstance(a, tuple) else a.requires_grad_() for a in args]
+    results = []
+    for out in (parallel_memory(*args, chunk_size=4, residual=False, implementation=implementation),
+                sequential_memory(*args, chunk_size=4, residual=False)):
+        y, W, S = out
+        loss = y.pow(2).sum() + sum((w * w).sum() for w in W) + sum(s.sum() for s in S)
+        results.append([y, *W, *S, *torch.autograd.grad(loss, flat(args))])
+    assert results[0][0].shape == (2, 2, 13, width)
+    assert max_diff(results[0], results[1]) <= 1e-10
+
+
 def test_chunk_size_one_is_the_plain_recurrence():
     """Depth-1 residual memory, chunk 1: eqs. 12-13 with the closed-form gradient 2 kᵀ(k + kW − v)."""
     q, k, v, theta, eta, alpha, weights, momentum = make_inputs(seq=12, depth=1)

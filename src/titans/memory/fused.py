@@ -255,7 +255,8 @@ def _chunk_backward(
     w_left: list[list[Tensor]] = [[] for _ in range(depth)]
     w_right: list[list[Tensor]] = [[] for _ in range(depth)]
     d_r = dy
-    d_q = dy.clone() if cfg.residual else torch.zeros_like(dy)
+    # Without the residual, v (hence dy) may be narrower or wider than q and k: size d_q, d_k like them.
+    d_q = dy.clone() if cfg.residual else torch.zeros_like(h[0])
     for i in range(depth - 1, -1, -1):
         d_beta += (d_r * hW[i]).sum(-1)
         d_c += (d_r * hS[i]).sum(-1)
@@ -305,7 +306,7 @@ def _chunk_backward(
     d_v = -d_out
 
     # 5. Keys: p_i = a_i W_i, a_{i+1} = σ(p_i), out = p_L (+ k).
-    d_k = d_out.clone() if cfg.residual else torch.zeros_like(d_out)
+    d_k = d_out.clone() if cfg.residual else torch.zeros_like(a[0])
     d_p[-1] = d_out
     for i in range(depth - 1, -1, -1):
         w_left[i].append(a[i])
