@@ -6,11 +6,12 @@ recomputation groups, the buffer pool shared by interleaved calls, and states th
 """
 
 import itertools
+import threading
 
 import pytest
 import torch
 
-from titans.memory import parallel_memory, release_workspace
+from titans.memory import fused, parallel_memory, release_workspace
 
 from .test_functional import flat, make_inputs, max_diff
 
@@ -114,6 +115,26 @@ def test_broadcast_initial_weights_receive_summed_gradients():
         y, W, _ = parallel_memory(q, k, v, theta, eta, alpha, expanded, chunk_size=4, implementation=implementation)
         grads.append(torch.autograd.grad((y**2).sum() + W[1].sum(), shared))
     assert max_diff(*grads) <= 1e-10
+
+
+def test_backward_on_another_thread_returns_buffers_to_the_forward():
+    """Autograd runs CUDA backward passes on its own thread. The buffers a forward pass keeps for its backward
+    must come back to the next forward wherever the backward ran: the pool must not grow step after step."""
+    release_workspace()
+    args = make_inputs(seq=24, depth=2, requires_grad=True)
+    reference = torch.autograd.grad(parallel_memory(*args, chunk_size=4, implementation="autograd")[0].sum(),
+                                    flat(args))
+    pooled = []
+    for _ in range(4):
+        y = parallel_memory(*args, chunk_size=4)[0]
+        grads = []
+        worker = threading.Thread(target=lambda: grads.append(torch.autograd.grad(y.sum(), flat(args))))
+        worker.start()
+        worker.join()
+        assert max_diff(grads[0], reference) <= 1e-10
+        pooled.append(sum(len(bufs) for bufs in fused._pool.values()))
+    # back in the pool: the kept states and the backward's workspace; the same two, every step
+    assert pooled == [2] * 4
 
 
 def test_release_workspace_then_run_again():

@@ -13,7 +13,7 @@ state used four times are summed in four fresh tensors, slicing a stacked state 
 * the states of a group of chunks are recomputed in the backward pass from a saved group boundary
   (activation checkpointing); with groups of √chunks (NeuralMemory's choice beyond 64 chunks) memory
   holds O(√chunks) states;
-* those buffers live in a per-thread workspace that is kept between calls, so a training loop touches
+* those buffers live in a workspace (a pool of released buffers) kept between calls, so a training loop touches
   warm memory instead of page-faulting hundreds of MiB per step.
 
 Exactness is tested against `parallel.py`'s autograd path and the token-by-token reference in float64
@@ -63,33 +63,40 @@ def decay_terms(eta: Tensor, alpha: Tensor) -> ChunkDecays:
 
 # --- workspace -------------------------------------------------------------------------------------
 
-_local = threading.local()
+# Released buffers by (device, dtype). One pool for the process, not one per thread: autograd may run a
+# backward pass on another thread than its forward (it does on CUDA), and the forward's buffers, released
+# there, must come back to the forward's next call instead of piling up in the other thread's pool.
+_pool: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+_pool_lock = threading.Lock()
 
 
 def _acquire(numel: int, like: Tensor) -> Tensor:
-    """A flat buffer of at least `numel` elements from this thread's pool of released buffers.
+    """A flat buffer of at least `numel` elements from the pool of released buffers.
 
     State buffers are hundreds of MiB; fresh ones page-fault on first touch (about as slow as the matmuls
     that fill them) and glibc hands them straight back to the OS on free, so a training loop would fault
     on every step. The pool keeps released buffers warm for the next call, like a caching allocator.
     """
-    free = _local.__dict__.setdefault("pool", {}).setdefault((like.device, like.dtype), [])
-    fitting = [i for i, buf in enumerate(free) if buf.numel() >= numel]
-    if fitting:
-        return free.pop(min(fitting, key=lambda i: free[i].numel()))[:numel]
-    free.clear()  # every free buffer is too small: stale sizes, let them go before allocating
+    with _pool_lock:
+        free = _pool.setdefault((like.device, like.dtype), [])
+        fitting = [i for i, buf in enumerate(free) if buf.numel() >= numel]
+        if fitting:
+            return free.pop(min(fitting, key=lambda i: free[i].numel()))[:numel]
+        free.clear()  # every free buffer is too small: stale sizes, let them go before allocating
     return torch.empty(numel, device=like.device, dtype=like.dtype)
 
 
 def _release(buf: Tensor) -> None:
     """Give a buffer from `_acquire` back to the pool (its views must no longer be used)."""
     base = buf if buf._base is None else buf._base
-    _local.__dict__.setdefault("pool", {}).setdefault((base.device, base.dtype), []).append(base)
+    with _pool_lock:
+        _pool.setdefault((base.device, base.dtype), []).append(base)
 
 
 def release_workspace() -> None:
-    """Free the buffers the fused memory keeps between calls on this thread."""
-    _local.__dict__.pop("pool", None)
+    """Free the buffers the fused memory keeps between calls."""
+    with _pool_lock:
+        _pool.clear()
 
 
 def _carve(flat: Tensor, template: State, count: int) -> list[State]:
