@@ -11,7 +11,8 @@ import torch
 from torch import Tensor
 
 # exp(-1e4) is exactly 0 in float32/float64: a gate of exactly 0 (η = 0, i.e. no momentum, or
-# α = 1, full forgetting) becomes a finite log value, so masked differences never form inf − inf.
+# α = 1, full forgetting) becomes a finite log value, so no sum ever holds −inf (nor a gradient NaN).
+# The price: the gradient with respect to such a gate is 0 (see `_safe_log`).
 LOG_FLOOR = -1.0e4
 
 
@@ -29,19 +30,28 @@ def _safe_log(x: Tensor) -> Tensor:
     """log x, floored at LOG_FLOOR, with a zero (not NaN) gradient where x is exactly 0.
 
     A gate of exactly 0 or 1 (a sigmoid saturates at |logit| ≳ 17 in float32) would otherwise give
-    log 0 = −inf, and autograd's 0 · ∞ in the backward pass turns every gradient into NaN.
+    log 0 = −inf, and autograd's 0 · ∞ in the backward pass turns every gradient into NaN. The gradient
+    with respect to that one gate is then 0 where the token-by-token recurrence has a finite one (e.g.
+    ∂W_t/∂α_t = −W_{t−1}); gates from a sigmoid are unaffected, the sigmoid's own derivative being 0
+    there, and every other gate's gradient stays exact (tested).
     """
     positive = x > 0
     return torch.where(positive, torch.log(torch.where(positive, x, 1.0)), LOG_FLOOR).clamp_min(LOG_FLOOR)
 
 
 def _masked_exp_cumdiff(log_factors: Tensor) -> Tensor:
-    """M[t,s] = exp(Σ_{s<j≤t} log f_j) for s ≤ t, else 0; masked BEFORE exp so nothing overflows."""
-    cum = torch.cumsum(log_factors, dim=-1)
-    diff = cum.unsqueeze(-1) - cum.unsqueeze(-2)
+    """M[t,s] = exp(Σ_{s<j≤t} log f_j) for s ≤ t, else 0; masked BEFORE exp so nothing overflows.
+
+    Each range sum is accumulated on its own (a cumulative sum down the columns of the n × n matrix whose
+    entry [j, s] is log f_j for j > s), not as a difference of two prefix sums: after a gate at LOG_FLOOR
+    the prefix sums sit near −1e4, where float32 resolves only ~1e-3 and their differences would lose the
+    small log-decays of the tokens that follow.
+    """
     n = log_factors.shape[-1]
+    after = torch.ones(n, n, dtype=torch.bool, device=log_factors.device).tril(-1)  # [j, s]: j > s
+    sums = torch.cumsum(log_factors.unsqueeze(-1).expand(*log_factors.shape, n).masked_fill(~after, 0.0), dim=-2)
     causal = torch.ones(n, n, dtype=torch.bool, device=log_factors.device).tril()
-    return torch.exp(diff.masked_fill(~causal, float("-inf")))
+    return torch.exp(sums.masked_fill(~causal, float("-inf")))
 
 
 def chunk_decays(eta: Tensor, alpha: Tensor) -> Decays:

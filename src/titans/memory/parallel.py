@@ -161,7 +161,8 @@ def parallel_memory(
         theta: inner learning rate θ_t `[batch, heads, seq]`, or a callable `(surprise [b, h, n], start, end)
             -> θ [b, h, n]` evaluated per chunk, where surprise is ℓ_t at the chunk's starting weights.
         eta: momentum decay η_t `[batch, heads, seq]` ("past surprise"), in [0, 1].
-        alpha: forgetting α_t `[batch, heads, seq]`, in [0, 1].
+        alpha: forgetting α_t `[batch, heads, seq]`, in [0, 1]. The decays are computed in log space, so
+            a gate of exactly η_t = 0 or α_t = 1 gets a zero gradient (values stay exact).
         weights: tuple of `[batch, heads, d_in, d_out]`, the memory MLP's layers at the start.
         momentum: same shapes; zeros when None.
         chunk_size: tokens per chunk b; gradients of a chunk are all taken at its starting weights.
