@@ -249,24 +249,41 @@ def test_zero_gates_are_exact_limits():
     assert max_diff([y, *W, *S], [y_ref, *W_ref, *S_ref]) <= 1e-12
 
 
+def _nan_at_half(t):
+    return t.masked_fill(t > t.median(), float("nan"))
+
+
+# (argument the error must name, how the valid inputs are broken)
 BAD_CASES = {
-    "q": lambda a: a.__setitem__(0, a[0][..., :3]),
-    "k": lambda a: a.__setitem__(1, a[1].long()),
-    "v": lambda a: a.__setitem__(2, a[2][:, :, :5]),
-    "theta": lambda a: a.__setitem__(3, a[3][:, :1]),
-    "eta": lambda a: a.__setitem__(4, a[4].masked_fill(a[4] > 0.5, float("nan"))),
-    "alpha": lambda a: a.__setitem__(5, a[5] + 2.0),
-    "weights": lambda a: a.__setitem__(6, (a[6][0][..., :3, :], a[6][1])),
-    "momentum": lambda a: a.__setitem__(7, (a[7][0],)),
+    "q shape": ("q", lambda a: a.__setitem__(0, a[0][..., :3])),
+    "q dtype": ("q", lambda a: a.__setitem__(0, a[0].long())),
+    "k dtype": ("k", lambda a: a.__setitem__(1, a[1].long())),
+    "v seq": ("v", lambda a: a.__setitem__(2, a[2][:, :, :5])),
+    "v dtype": ("v", lambda a: a.__setitem__(2, a[2].int())),
+    "theta shape": ("theta", lambda a: a.__setitem__(3, a[3][:, :1])),
+    "theta nan": ("theta", lambda a: a.__setitem__(3, _nan_at_half(a[3]))),
+    "theta negative": ("theta", lambda a: a.__setitem__(3, -a[3])),
+    "theta dtype": ("theta", lambda a: a.__setitem__(3, a[3].long())),
+    "eta nan": ("eta", lambda a: a.__setitem__(4, _nan_at_half(a[4]))),
+    "eta negative": ("eta", lambda a: a.__setitem__(4, a[4] - 1.0)),
+    "alpha above one": ("alpha", lambda a: a.__setitem__(5, a[5] + 2.0)),
+    "alpha nan": ("alpha", lambda a: a.__setitem__(5, _nan_at_half(a[5]))),
+    "weights d_in": ("weights", lambda a: a.__setitem__(6, (a[6][0][..., :3, :], a[6][1]))),
+    "weights mixed dtype": ("weights", lambda a: a.__setitem__(6, (a[6][0], a[6][1].float()))),
+    "weights device": ("weights", lambda a: a.__setitem__(6, tuple(w.to("meta") for w in a[6]))),
+    "momentum device": ("momentum", lambda a: a.__setitem__(7, tuple(m.to("meta") for m in a[7]))),
+    "momentum count": ("momentum", lambda a: a.__setitem__(7, (a[7][0],))),
+    "momentum dtype": ("momentum", lambda a: a.__setitem__(7, (a[7][0].float(), a[7][1].float()))),
 }
 
 
-@pytest.mark.parametrize("name", sorted(BAD_CASES))
+@pytest.mark.parametrize("case", sorted(BAD_CASES))
 @pytest.mark.parametrize("fn", [parallel_memory, sequential_memory])
-def test_bad_input_names_the_argument(name, fn):
+def test_bad_input_names_the_argument(case, fn):
+    name, spoil = BAD_CASES[case]
     args = make_inputs(seq=7)
-    BAD_CASES[name](args)
-    with pytest.raises(ValueError, match=name):
+    spoil(args)
+    with pytest.raises(ValueError, match=rf"^{name}\b"):  # the message starts with the argument's name
         fn(*args)
 
 
@@ -277,10 +294,11 @@ def test_bad_max_grad_norm(bound, fn):
         fn(*make_inputs(seq=7), max_grad_norm=bound)
 
 
-@pytest.mark.parametrize("chunk_size", [0, -3, 2.5])
-def test_bad_chunk_size(chunk_size):
-    with pytest.raises(ValueError, match="chunk_size"):
-        parallel_memory(*make_inputs(seq=7), chunk_size=chunk_size)
+@pytest.mark.parametrize("chunk_size", [0, -3, 2.5, True])
+@pytest.mark.parametrize("fn", [parallel_memory, sequential_memory])
+def test_bad_chunk_size(chunk_size, fn):
+    with pytest.raises(ValueError, match="^chunk_size"):
+        fn(*make_inputs(seq=7), chunk_size=chunk_size)
 
 
 def test_unknown_activation():

@@ -86,11 +86,17 @@ def check_memory_args(
             raise ValueError(f"weights[{i}] has d_in {w.shape[2]}, expected {expected_in}")
         if not w.is_floating_point():
             raise ValueError(f"weights[{i}] must be floating point, got {w.dtype}")
+        if w.dtype != weights[0].dtype:
+            raise ValueError(f"weights[{i}] has dtype {w.dtype} but weights[0] has {weights[0].dtype}: the state "
+                             "has one dtype")
         expected_in = w.shape[3]
     if expected_in != v.shape[3]:
         raise ValueError(f"the last of weights outputs {expected_in} features but v has dim {v.shape[3]}")
     if residual and v.shape[3] != dim:
         raise ValueError(f"residual memory needs v dim == k dim, got {v.shape[3]} and {dim}")
+    for name, t in {"q": q, "v": v, **gates, **{f"weights[{i}]": w for i, w in enumerate(weights)}}.items():
+        if t.device != k.device:
+            raise ValueError(f"{name} is on {t.device} but k is on {k.device}")
     if momentum is None:
         return tuple(torch.zeros_like(w) for w in weights)
     if not isinstance(momentum, (tuple, list)) or len(momentum) != len(weights):
@@ -98,4 +104,8 @@ def check_memory_args(
     for i, (s, w) in enumerate(zip(momentum, weights)):
         if not isinstance(s, Tensor) or s.shape != w.shape:
             raise ValueError(f"momentum[{i}] must have the shape of weights[{i}] {tuple(w.shape)}")
+        if s.dtype != w.dtype:
+            raise ValueError(f"momentum[{i}] has dtype {s.dtype} but weights[{i}] has {w.dtype}: the state has one dtype")
+        if s.device != w.device:
+            raise ValueError(f"momentum[{i}] is on {s.device} but weights[{i}] is on {w.device}")
     return tuple(momentum)
