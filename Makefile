@@ -15,8 +15,8 @@ $(STAMP): pyproject.toml constraints.txt
 
 install: $(STAMP)
 
-demo: $(STAMP)
-	$(BIN)/titans demo
+demo: $(STAMP)  # --force: a second `make demo` replaces runs/demo (only a folder titans made) instead of failing
+	$(BIN)/titans demo --force
 
 test: $(STAMP)
 	$(BIN)/python -m pytest

@@ -73,7 +73,8 @@ def test_train_eval_generate_and_never_overwrite(tmp_path):
     assert yaml.safe_load((out / "config.yaml").read_text())["steps"] == 4
 
     before = (out / "metrics.jsonl").read_text()
-    assert "already exists" in one_line_error(runner.invoke(app, ["train", str(TINY), "--out", str(out)]))
+    refused = one_line_error(runner.invoke(app, ["train", str(TINY), "--out", str(out)]))
+    assert "already exists" in refused and "--force" in refused and "--resume" in refused
     assert (out / "metrics.jsonl").read_text() == before
 
     result = runner.invoke(app, ["eval", str(out), "--lengths", "24,40", "--batches", "2"])

@@ -210,7 +210,7 @@ def demo(
     from .train.checkpoint import prepare_run_dir
     from .train.demo import run_demo
 
-    prepare_run_dir(out, force)
+    prepare_run_dir(out, force, resumable=False)
     typer.echo(str(run_demo(out, configs, jobs=jobs, quiet=quiet)))
 
 

@@ -43,6 +43,7 @@ def test_demo_writes_table_plot_and_json(tmp_path, tiny_config):
 
     again = CliRunner().invoke(app, args)  # the output directory is not overwritten without --force
     assert again.exit_code == 2 and "already exists" in again.stderr
+    assert "--force" in again.stderr and "--resume" not in again.stderr  # demo has no --resume to suggest
     assert json.loads((out / "demo.json").read_text()) == data
 
 

@@ -33,8 +33,8 @@ RUN_MARKER = ".titans-run"
 TRAINER_STATE_KEYS = ("step", "optimizer", "rng", "train_seconds", "skipped_steps")
 
 
-def prepare_run_dir(run_dir: Path, force: bool = False, resume: bool = False) -> None:
-    """Create `run_dir` for a new run, or check it for `resume`.
+def prepare_run_dir(run_dir: Path, force: bool = False, resume: bool = False, resumable: bool = True) -> None:
+    """Create `run_dir` for a new run, or check it for `resume` (`resumable`: whether the command has one).
 
     An existing non-empty folder is never touched without `force`, and `force` deletes only a folder
     that titans made (it holds the run marker): `--force --out ~` must not wipe a home directory.
@@ -46,8 +46,8 @@ def prepare_run_dir(run_dir: Path, force: bool = False, resume: bool = False) ->
         return
     if run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir())):
         if not force:
-            raise ValueError(f"run directory {run_dir} already exists; pass --force to overwrite it "
-                             "or --resume to continue it")
+            raise ValueError(f"run directory {run_dir} already exists; pass --force to overwrite it"
+                             + (" or --resume to continue it" if resumable else ""))
         if not (run_dir / RUN_MARKER).is_file():
             raise ValueError(f"--force: {run_dir} was not made by titans (no {RUN_MARKER} in it); "
                              "refusing to delete it")
