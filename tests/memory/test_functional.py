@@ -116,14 +116,19 @@ def test_gated_delta_rule_is_a_configuration():
 
 
 def test_chunk_gradients_are_taken_at_the_chunk_start():
-    """Within a chunk nothing is learned before its end: with θ only on the first token, y of the
-    following tokens of the same chunk must see that token's update computed at W⁰."""
+    """θ on the first token only: its gradient is taken at W⁰ whatever the chunk size, so chunks of 8 and of 1
+    agree exactly. θ on the second token too: a chunk of 8 takes that gradient at W⁰, chunks of 1 at the weights
+    after token 0, so every output from token 1 on differs."""
     q, k, v, theta, eta, alpha, weights, momentum = make_inputs(seq=8, depth=2)
-    y_chunk, W_chunk, _ = parallel_memory(q, k, v, theta, eta, alpha, weights, momentum, chunk_size=8)
-    y_tok, W_tok, _ = parallel_memory(q, k, v, theta, eta, alpha, weights, momentum, chunk_size=1)
-    # same first token (one gradient, taken at W⁰ either way), different later tokens
-    assert max_diff([y_chunk[:, :, :1]], [y_tok[:, :, :1]]) <= 1e-12
-    assert max_diff([y_chunk[:, :, 1:]], [y_tok[:, :, 1:]]) > 1e-6
+    first = torch.zeros_like(theta)
+    first[..., 0] = theta[..., 0]
+    runs = [parallel_memory(q, k, v, first, eta, alpha, weights, momentum, chunk_size=c) for c in (8, 1)]
+    assert max_diff(flat(runs[0]), flat(runs[1])) <= 1e-12
+    both = first.clone()
+    both[..., 1] = theta[..., 1]
+    y8, y1 = (parallel_memory(q, k, v, both, eta, alpha, weights, momentum, chunk_size=c)[0] for c in (8, 1))
+    assert max_diff([y8[:, :, :1]], [y1[:, :, :1]]) <= 1e-12
+    assert (y8[:, :, 1:] - y1[:, :, 1:]).abs().amax(dim=-1).min() > 1e-8
 
 
 @pytest.mark.parametrize("chunk_size, implementation", list(itertools.product([1, 4], IMPLEMENTATIONS)))
@@ -210,15 +215,20 @@ def test_checkpointed_groups_give_identical_gradients(implementation):
     assert max_diff(*grads) <= 1e-12
 
 
-def test_causality_of_the_functional_core():
-    q, k, v, theta, eta, alpha, weights, momentum = make_inputs(seq=20, depth=2)
-    y, _, _ = parallel_memory(q, k, v, theta, eta, alpha, weights, momentum, chunk_size=8)
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_causality_of_the_functional_core(implementation):
+    """Changing every input of token j (q, k, v, θ, η, α) changes no output before j, and changes y_j on."""
+    args = make_inputs(seq=20, depth=2)
+    y = parallel_memory(*args, chunk_size=8, implementation=implementation)[0]
+    g = torch.Generator().manual_seed(5)
     for j in (0, 5, 9, 19):
-        k2, v2, th2 = k.clone(), v.clone(), theta.clone()
-        k2[:, :, j] = F.normalize(torch.randn_like(k2[:, :, j]), dim=-1)
-        v2[:, :, j] += 1.0
-        th2[:, :, j] = 0.05
-        y2, _, _ = parallel_memory(q, k2, v2, th2, eta, alpha, weights, momentum, chunk_size=8)
+        changed = [t.clone() if isinstance(t, torch.Tensor) else t for t in args]
+        for i in (0, 1):  # q, k: new unit vectors
+            changed[i][:, :, j] = F.normalize(torch.randn(changed[i][:, :, j].shape, generator=g, dtype=DT), dim=-1)
+        changed[2][:, :, j] += 1.0
+        for i in (3, 4, 5):  # θ, η, α: new values in range
+            changed[i][:, :, j] = 0.05 + 0.5 * torch.rand(changed[i][:, :, j].shape, generator=g, dtype=DT)
+        y2 = parallel_memory(*changed, chunk_size=8, implementation=implementation)[0]
         assert torch.equal(y2[:, :, :j], y[:, :, :j])
         assert (y2[:, :, j:] - y[:, :, j:]).abs().max() > 1e-6
 
@@ -318,7 +328,7 @@ def test_saturated_gates_keep_gradients_finite_and_exact_elsewhere(implementatio
     args = [tuple(t.requires_grad_() for t in a) if isinstance(a, tuple) else a.requires_grad_() for a in args]
     results = []
     for fn in (functools.partial(parallel_memory, implementation=implementation), sequential_memory):
-        y, W, S = fn(*args, chunk_size=4)
+        y, W, _ = fn(*args, chunk_size=4)
         results.append(list(torch.autograd.grad(y.pow(2).sum() + W[0].sum(), flat(args))))
     (fast, ref), names = results, ["q", "k", "v", "theta", "eta", "alpha"]
     assert all(torch.isfinite(g).all() for g in fast)

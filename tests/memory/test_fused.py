@@ -117,6 +117,10 @@ def test_broadcast_initial_weights_receive_summed_gradients():
     assert max_diff(*grads) <= 1e-10
 
 
+def _grad_into(out: list, loss: torch.Tensor, inputs: list) -> None:
+    out.append(torch.autograd.grad(loss, inputs))
+
+
 def test_backward_on_another_thread_returns_buffers_to_the_forward():
     """Autograd runs CUDA backward passes on its own thread. The buffers a forward pass keeps for its backward
     must come back to the next forward wherever the backward ran: the pool must not grow step after step."""
@@ -128,7 +132,7 @@ def test_backward_on_another_thread_returns_buffers_to_the_forward():
     for _ in range(4):
         y = parallel_memory(*args, chunk_size=4)[0]
         grads = []
-        worker = threading.Thread(target=lambda: grads.append(torch.autograd.grad(y.sum(), flat(args))))
+        worker = threading.Thread(target=_grad_into, args=(grads, y.sum(), flat(args)))
         worker.start()
         worker.join()
         assert max_diff(grads[0], reference) <= 1e-10

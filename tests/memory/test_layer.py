@@ -190,3 +190,27 @@ def test_init_alpha_is_the_forgetting_rate_at_initialisation():
 def test_bad_input_shape():
     with pytest.raises(ValueError, match="x must be"):
         NeuralMemory(16)(torch.randn(2, 5, 8))
+
+
+@pytest.mark.parametrize("name", ["default", "surprise gate"])
+def test_memory_receives_unit_queries_and_keys_and_bounded_rates(name, monkeypatch):
+    """What NeuralMemory hands the update rule: l2-normalised q and k, θ in [0, max_lr] even for huge gate
+    logits (also through the surprise gate), η and α in [0, 1]."""
+    from titans.memory import layer
+
+    calls = []
+    original = layer.parallel_memory
+    monkeypatch.setattr(layer, "parallel_memory", lambda *a, **kw: calls.append(a) or original(*a, **kw))
+    memory = make_memory(max_lr=0.05, **OPTION_SETS[name])
+    with torch.no_grad():
+        memory.to_gates.weight.normal_(0, 50.0)  # logits far into saturation, both signs
+    memory(torch.randn(2, 10, 16, dtype=DT))
+    assert calls
+    for q, k, v, theta, eta, alpha, *_ in calls:
+        for t in (q, k):
+            assert torch.allclose(t.norm(dim=-1), torch.ones((), dtype=DT), atol=1e-12)
+        if callable(theta):
+            theta = theta(torch.full(q.shape[:3], 1e6, dtype=DT), 0, q.shape[2])
+        assert theta.min() >= 0 and theta.max() <= 0.05 and theta.max() > 0.04  # saturated tokens reach the bound
+        for gate in (eta, alpha):
+            assert gate.min() >= 0 and gate.max() <= 1
