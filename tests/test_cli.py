@@ -85,6 +85,8 @@ def test_train_eval_generate_and_never_overwrite(tmp_path):
     saved = json.loads(Path(lines[-1]).read_text())
     assert saved["task"] == "passkey" and set(saved["results"]) == {"24", "40"}
     assert float(lines[1].split()[2]) == pytest.approx(saved["results"]["24"]["accuracy"], abs=1e-4)
+    assert saved["split"] is None
+    assert "has no splits" in one_line_error(runner.invoke(app, ["eval", str(out), "--split", "test"]))
 
     result = runner.invoke(app, ["generate", str(out), "--prompt", "3 4 5", "--max-new-tokens", "5",
                                  "--temperature", "0"])
@@ -95,6 +97,27 @@ def test_train_eval_generate_and_never_overwrite(tmp_path):
     result = runner.invoke(app, ["train", str(TINY), "--out", str(out), "--force", "--quiet", "steps=2"])
     assert result.exit_code == 0, result.output
     assert checkpoint_step(latest_checkpoint(out)) == 2
+
+
+def test_eval_of_a_data_task_defaults_to_validation_and_takes_a_split(tmp_path):
+    rows = "".join(f"{i},{i % 7},{(i * 3) % 5 + (i >= 800) * 50}\n" for i in range(1000))  # the test rows shift
+    (tmp_path / "s.csv").write_text("date,a,b\n" + rows)
+    out = tmp_path / "run"
+    result = runner.invoke(app, ["train", str(TINY), "--out", str(out), "--quiet", "steps=2", "model.variant=mag",
+                                 "model.window=8", "task.name=forecast_csv", f"task.options={{path: {tmp_path / 's.csv'}}}"])
+    assert result.exit_code == 0, result.output
+    trained = json.loads((out / "eval.json").read_text())["results"]["24"]["loss"]
+    losses = {}
+    for split in (None, "val", "test"):
+        argv = ["eval", str(out), "--lengths", "24", "--out", str(tmp_path / f"{split}.json")]
+        result = runner.invoke(app, argv + (["--split", split] if split else []))
+        assert result.exit_code == 0, result.output
+        saved = json.loads((tmp_path / f"{split}.json").read_text())
+        assert saved["split"] == (split or "val")
+        losses[split] = saved["results"]["24"]["loss"]
+    assert losses[None] == losses["val"] == pytest.approx(trained)  # what training reported: the validation split
+    assert losses["test"] > 10 * losses["val"]  # test rows lie 50 above anything seen in training
+    assert "split" in one_line_error(runner.invoke(app, ["eval", str(out), "--split", "holdout"]))
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -123,6 +146,11 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path, monkeypatch):
     (tmp_path / "text.csv").write_text("date,name\n2020-01-01,a\n2020-01-02,b\n")
     csv_task = ["task.name=forecast_csv", "task.options={path: text.csv}"]
     assert "no numeric columns" in one_line_error(runner.invoke(app, ["train", str(TINY), *csv_task]))
+    (tmp_path / "short.csv").write_text("date,a\n" + "".join(f"{i},{i % 3}\n" for i in range(100)))
+    too_long = ["task.name=forecast_csv", "task.options={path: short.csv}", "model.variant=mag", "model.window=8",
+                "task.eval_lengths=[24,48]", "--out", "short-run"]  # the validation split has 10 rows
+    assert "too long for the val split" in one_line_error(runner.invoke(app, ["train", str(TINY), *too_long]))
+    assert not (tmp_path / "short-run").exists()  # a run that never started leaves no folder to refuse later
     assert "not a titans run directory" in one_line_error(runner.invoke(app, ["train", str(TINY), "--resume"]))
     assert "neither a checkpoint" in one_line_error(runner.invoke(app, ["eval", str(tmp_path)]))
     assert "does not exist" in one_line_error(runner.invoke(app, ["generate", "missing", "--prompt", "1"]))

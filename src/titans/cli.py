@@ -62,18 +62,23 @@ def train(
 
     from .train import load_train_config, setup_distributed
     from .train import train as run_training
-    from .train.checkpoint import prepare_run_dir
+    from .train.checkpoint import discard_unstarted_run, prepare_run_dir
 
     cfg = load_train_config(config, overrides or [])
     run_dir = out or Path("runs") / cfg.run_name
     distributed = setup_distributed(cfg.device)
     lead = not distributed or dist.get_rank() == 0
+    created = lead and not resume and not run_dir.exists()
     try:
         if lead:
             prepare_run_dir(run_dir, force, resume)
         if distributed:
             dist.barrier()
         result = run_training(cfg, run_dir, resume=resume, quiet=quiet)
+    except Exception:
+        if created:
+            discard_unstarted_run(run_dir)
+        raise
     finally:
         if distributed:
             dist.destroy_process_group()
@@ -118,6 +123,8 @@ def eval_command(
     batches: int | None = typer.Option(None, min=1, help="Batches per length (default: the config's)."),
     batch_size: int | None = typer.Option(None, min=1, help="Sequences per batch (default: the config's)."),
     seed: int = typer.Option(0, help="Evaluation set (0 is the set training reports on)."),
+    split: str | None = typer.Option(None, help="Tasks read from data (lm_bytes, forecast_csv): the split to "
+                                                "evaluate on, e.g. val or test (default: val, as training reports)."),
     device: str = typer.Option("cpu", help="cpu, cuda or auto."),
     out: Path | None = typer.Option(None, help="Results JSON (default: <checkpoint>/eval_<task>.json)."),
 ) -> None:
@@ -127,7 +134,7 @@ def eval_command(
     from .train.config import check_model_fits_task
 
     path, cfg, trained_task, model = load_for_inference(ckpt, device)
-    eval_task = trained_task if task is None or task == cfg.task.name else get_task(task)
+    eval_task = (trained_task if task is None or task == cfg.task.name else get_task(task)).held_out(split)
     if (eval_task.vocab_size is None) != (trained_task.vocab_size is None):
         kinds = {True: "a series task", False: "a token task"}
         raise ValueError(f"--task {eval_task.name} is {kinds[eval_task.vocab_size is None]} but the checkpoint "
@@ -140,7 +147,8 @@ def eval_command(
     for length, metrics in results.items():
         typer.echo(f"{length:>8} " + " ".join(f"{metrics[name]:>14.4f}" for name in names))
     out = out or path / f"eval_{eval_task.name}.json"
-    out.write_text(json.dumps({"task": eval_task.name, "checkpoint": str(path), "seed": seed,
+    out.write_text(json.dumps({"task": eval_task.name, "split": getattr(eval_task.options, "split", None),
+                               "checkpoint": str(path), "seed": seed,
                                "results": {str(k): v for k, v in results.items()}}, indent=2))
     typer.echo(str(out))
 

@@ -416,3 +416,19 @@ def test_bad_names_and_arguments():
         task.sample(1, 64, 0)
     with pytest.raises(dataclasses.FrozenInstanceError):
         task.options.vocab = 10
+
+
+def test_held_out_is_the_validation_split_of_data_tasks(tmp_path):
+    path = write_ett(tmp_path / "ett.csv")
+    train = get_task("forecast_csv", path=path, columns=["OT"])
+    val, test = train.held_out(), train.held_out("test")
+    assert (val.options.split, test.options.split) == ("val", "test")
+    assert val.options.columns == ["OT"] and val.options.path == path  # everything else kept
+    assert torch.equal(val.data, get_task("forecast_csv", path=path, columns=["OT"], split="val").data)
+    assert get_task("lm_bytes").held_out().options.split == "val"
+    generated = get_task("mqar", vocab=64, num_pairs=4)
+    assert generated.held_out() is generated  # evaluation rows come from seeds training never draws
+    with pytest.raises(ValueError, match="^split"):
+        generated.held_out("test")
+    with pytest.raises(ValueError, match="split"):
+        train.held_out("holdout")

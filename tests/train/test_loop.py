@@ -132,6 +132,25 @@ def test_series_tasks_train_a_forecaster(tiny_config, tmp_path):
     assert set(result.evaluation[24]) == {"loss"} and 0 < result.evaluation[24]["loss"] < 10
 
 
+def test_data_tasks_evaluate_on_their_validation_split(tiny_config, tmp_path):
+    """A CSV whose validation rows differ from its training rows: training reports the validation split, and
+    an evaluation length the validation split cannot hold fails before any training."""
+    rows = ["date,a,b"] + [f"{i},{i % 5},{(i * 7) % 11}" for i in range(700)] + \
+        [f"{i},{100 + i},{-3.0 * i}" for i in range(700, 1000)]
+    (tmp_path / "s.csv").write_text("\n".join(rows) + "\n")
+    overrides = ["task.name=forecast_csv", f"task.options={{path: {tmp_path / 's.csv'}}}", "steps=2",
+                 "model.variant=mag", "model.window=8"]
+    trainer = Trainer(load_train_config(tiny_config, overrides), tmp_path / "run", quiet=True)
+    assert trainer.task.options.split == "train" and trainer.eval_task.options.split == "val"
+    reported = trainer.run().evaluation[24]["loss"]
+    on_val = evaluate(trainer.model, trainer.eval_task, [24], 1, 8)[24]["loss"]
+    on_train = evaluate(trainer.model, trainer.task, [24], 1, 8)[24]["loss"]
+    assert reported == pytest.approx(on_val) and on_val != pytest.approx(on_train)
+    with pytest.raises(ValueError, match="length 120 is too long for the val split"):  # 100 validation rows
+        Trainer(load_train_config(tiny_config, [*overrides, "task.eval_lengths=[24,120]"]), tmp_path / "r2", quiet=True)
+    assert not (tmp_path / "r2" / "metrics.jsonl").exists()
+
+
 def test_tensorboard_gets_every_number(tiny_config, tmp_path, monkeypatch):
     scalars = []
 

@@ -122,6 +122,19 @@ class Task:
     def _generate(self, batch_size: int, length: int, generator: torch.Generator) -> Batch:
         raise NotImplementedError
 
+    def held_out(self, split: Optional[str] = None) -> Task:
+        """The task to evaluate on. Tasks read from data (their options have a `split`) give the same task on
+        `split` (default "val"); generated tasks give themselves, their evaluation sequences coming from seeds
+        that training never draws."""
+        fields = {f.name: f for f in dataclasses.fields(self.options)}
+        if "split" not in fields:
+            if split is not None:
+                raise ValueError(f"split: task {self.name} generates its data and has no splits, got {split!r}")
+            return self
+        values = dataclasses.asdict(self.options)
+        values["split"] = "val" if split is None else split
+        return get_task(self.name, **values)
+
 
 TASKS: dict[str, type[Task]] = {}
 

@@ -56,6 +56,15 @@ def prepare_run_dir(run_dir: Path, force: bool = False, resume: bool = False, re
     (run_dir / RUN_MARKER).touch()
 
 
+def discard_unstarted_run(run_dir: Path) -> None:
+    """Remove a run directory that holds nothing but its marker: a new run that failed before writing anything
+    (a length its validation split cannot hold, a device that is missing) must not leave a folder behind that
+    the next attempt would refuse to overwrite."""
+    run_dir = Path(run_dir)
+    if run_dir.is_dir() and [p.name for p in run_dir.iterdir()] == [RUN_MARKER]:
+        shutil.rmtree(run_dir)
+
+
 def checkpoint_dir(run_dir: Path) -> Path:
     return Path(run_dir) / "checkpoints"
 

@@ -231,6 +231,9 @@ class Trainer:
         self.device = resolve_device(cfg.device, int(os.environ.get("LOCAL_RANK", self.rank)))
         torch.manual_seed(cfg.seed)
         self.task = build_task(cfg)
+        self.eval_task = self.task.held_out()  # the validation split of a task read from data
+        for length in sorted({cfg.task.train_length, *cfg.task.eval_lengths}):  # fail now, not after training
+            self.eval_task.sample(1, length, torch.Generator().manual_seed(0))
         self.model = build_model(cfg, self.task).to(self.device, getattr(torch, cfg.dtype))
         self.train_model: nn.Module = self.model
         if self.distributed:
@@ -389,7 +392,7 @@ class Trainer:
     def _evaluate(self, lengths: list[int]) -> dict[int, dict[str, float]]:
         if self.rank:
             return {}
-        return evaluate(self.model, self.task, lengths, self.cfg.eval_batches, self.cfg.eval_batch_size,
+        return evaluate(self.model, self.eval_task, lengths, self.cfg.eval_batches, self.cfg.eval_batch_size,
                         device=self.device)
 
 
