@@ -10,6 +10,7 @@ from titans.config import Config, apply_overrides
 class Inner(Config):
     size: int = 4
     names: tuple[str, ...] = ()
+    pair: tuple[float, int] = (0.5, 1)
 
 
 @dataclasses.dataclass
@@ -42,6 +43,9 @@ def test_round_trip_through_yaml(tmp_path):
         ({"inner": {"sise": 1}}, "inner.sise"),
         ({"speed": 1}, "speed"),
         ({"limit": True}, "limit"),
+        ({"inner": {"pair": [0.5]}}, "inner.pair: expected 2 items"),
+        ({"inner": {"pair": [0.5, 1, 2]}}, "inner.pair: expected 2 items"),
+        ({"inner": {"pair": [0.5, 1.5]}}, r"inner.pair\[1\]"),
     ],
 )
 def test_bad_fields_are_named(data, field):
@@ -60,6 +64,12 @@ def test_overrides_parse_yaml_values():
     assert cfg.inner.size == 8 and cfg.rate == 0.25 and cfg.inner.names == ("p", "q")
     with pytest.raises(ValueError, match="key.path=value"):
         apply_overrides({}, ["nonsense"])
+    # text that is not YAML is the text itself, then checked against the field like any other value
+    assert apply_overrides({}, ["inner.names=[*.py]", "kind=*.py", "limit=[oops"]) == \
+        {"inner": {"names": "[*.py]"}, "kind": "*.py", "limit": "[oops"}
+    assert apply_overrides({}, ["pattern=*.py"]) == {"pattern": "*.py"}
+    with pytest.raises(ValueError, match="limit"):
+        Outer.from_dict(apply_overrides({}, ["limit=[oops"]))
 
 
 @pytest.mark.parametrize("text, number", [("1e9", 1e9), ("1.0e9", 1e9), ("3e-4", 3e-4), ("2.5E+3", 2500.0),

@@ -63,6 +63,10 @@ def _check_value(path: str, tp: Any, value: Any) -> Any:
         if not isinstance(value, (list, tuple)):
             raise ValueError(f"{path}: expected a list, got {type(value).__name__}")
         args = get_args(tp)
+        if origin is tuple and args and args[-1] is not Ellipsis:  # tuple[X, Y]: exactly that many items
+            if len(value) != len(args):
+                raise ValueError(f"{path}: expected {len(args)} items, got {len(value)}")
+            return tuple(_check_value(f"{path}[{i}]", t, v) for i, (t, v) in enumerate(zip(args, value)))
         item_tp = args[0] if args else Any
         items = [_check_value(f"{path}[{i}]", item_tp, v) for i, v in enumerate(value)]
         return tuple(items) if origin is tuple else items
@@ -175,5 +179,8 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             if not isinstance(child, dict):
                 raise ValueError(f"override {key!r}: {part!r} is not a section")
             node = child
-        node[parts[-1]] = load_yaml(raw)
+        try:
+            node[parts[-1]] = load_yaml(raw)
+        except yaml.YAMLError:  # not YAML (`pattern=*.py`, `name=[x`): the text itself, checked against the field
+            node[parts[-1]] = raw
     return result

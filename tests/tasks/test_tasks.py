@@ -432,3 +432,16 @@ def test_held_out_is_the_validation_split_of_data_tasks(tmp_path):
         generated.held_out("test")
     with pytest.raises(ValueError, match="split"):
         train.held_out("holdout")
+
+
+def test_needle_words_never_occur_in_the_haystack_sentences():
+    from titans.tasks.text import REPEATED_NOISE, SENTENCE_PARTS, WORDS
+
+    haystack_words = {w.strip(".").lower() for part in SENTENCE_PARTS for phrase in part for w in phrase.split()}
+    haystack_words |= {w.strip(".").lower() for w in REPEATED_NOISE.split()}
+    assert not set(WORDS) & haystack_words and len(set(WORDS)) == len(WORDS)
+
+
+def test_an_option_called_name_is_an_unknown_option_not_a_crash():
+    with pytest.raises(ValueError, match="name"):
+        get_task("passkey", name="x")

@@ -33,6 +33,24 @@ def test_resume_gives_identical_weights_and_keeps_the_newest_checkpoints(tiny_co
     assert not all(torch.equal(straight[k], v) for k, v in weights(tmp_path / "other_seed").items())
 
 
+def test_a_metrics_line_cut_off_by_a_kill_does_not_block_resume(tiny_config, tmp_path):
+    import json
+
+    train(load_train_config(tiny_config, ["steps=4", "checkpoint_every=2"]), tmp_path / "run", quiet=True)
+    log = tmp_path / "run" / "metrics.jsonl"
+    log.write_text(log.read_text() + '{"step": 5, "loss": 0.')  # a kill came mid-write
+    longer = load_train_config(tiny_config, ["steps=6", "checkpoint_every=2"])
+    resumed = Trainer(longer, tmp_path / "run", quiet=True)
+    assert resumed.resume() and resumed.step == 4
+    resumed.run()
+    records = [json.loads(line) for line in log.read_text().splitlines()]  # every line whole again
+    assert records[-1].get("final") and sum(bool(r.get("final")) for r in records) == 1
+    assert not (tmp_path / "run" / "metrics.jsonl.tmp").exists()
+    log.write_text('{"step": 1}\nnot json\n{"step": 2}\n')  # damage elsewhere is an error, not dropped silently
+    with pytest.raises(ValueError, match="line 2 is not JSON"):
+        Trainer(longer, tmp_path / "run", quiet=True).resume()
+
+
 def test_a_write_killed_half_way_is_ignored_and_cleaned_up(tiny_config, tmp_path):
     cfg = load_train_config(tiny_config, ["steps=4"])
     train(cfg, tmp_path / "run", quiet=True)

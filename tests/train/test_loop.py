@@ -13,13 +13,14 @@ from titans.train.loop import derive_seed, make_optimizer, sample_rows
 
 
 def test_schedule_warmup_then_cosine_to_the_floor():
-    optim = OptimConfig(lr=1.0, warmup_steps=10, min_lr_ratio=0.1)
-    assert [lr_at(s, optim, 110) for s in (0, 4, 9)] == pytest.approx([0.1, 0.5, 1.0])
-    assert lr_at(10, optim, 110) == pytest.approx(1.0)
-    assert lr_at(60, optim, 110) == pytest.approx(0.55)  # half way: (1 + 0.1) / 2
-    assert lr_at(85, optim, 110) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.75)))
-    assert lr_at(110, optim, 110) == pytest.approx(0.1)
-    assert lr_at(500, optim, 110) == pytest.approx(0.1)
+    optim = OptimConfig(lr=1.0, warmup_steps=10, min_lr_ratio=0.1)  # 111 steps: 0 … 110, decay over 10 … 110
+    assert [lr_at(s, optim, 111) for s in (0, 4, 9)] == pytest.approx([0.1, 0.5, 1.0])
+    assert lr_at(10, optim, 111) == pytest.approx(1.0)
+    assert lr_at(60, optim, 111) == pytest.approx(0.55)  # half way: (1 + 0.1) / 2
+    assert lr_at(85, optim, 111) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.75)))
+    assert lr_at(110, optim, 111) == pytest.approx(0.1)  # the last step the loop runs is at the floor
+    assert lr_at(109, optim, 111) > 0.1
+    assert lr_at(500, optim, 111) == pytest.approx(0.1)
     assert lr_at(0, OptimConfig(lr=2.0, warmup_steps=0, min_lr_ratio=0.0), 10) == pytest.approx(2.0)
 
 

@@ -147,7 +147,7 @@ def register(cls: type[Task]) -> type[Task]:
     return cls
 
 
-def get_task(name: str, **options: Any) -> Task:
+def get_task(name: str, /, **options: Any) -> Task:  # positional-only: an option may be called `name`
     """Build a task by registry name; an unknown name or option, or a bad value, raises ValueError."""
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r}; valid tasks: {', '.join(sorted(TASKS))}")

@@ -83,7 +83,7 @@ class Passkey(Task):
 @dataclasses.dataclass
 class NiahOptions(TaskOptions):
     depth: Optional[float] = None  # fixed needle depth in [0, 1]; None = uniform
-    digits: int = 7  # length of the pass key / magic number (RULER uses 7-digit numbers)
+    digits: int = 7  # length of the pass key / magic number (RULER uses 7-digit numbers); niah_word: unused
 
     def validate(self) -> None:
         check_depth(self.depth)

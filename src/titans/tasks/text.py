@@ -26,9 +26,9 @@ SENTENCE_PARTS = (SUBJECTS, VERBS, OBJECTS, SETTINGS)
 # RULER's "noise" haystack for the passkey task: the same few sentences over and over.
 REPEATED_NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 # Keys and values of the word-keyed needles: none of them occurs in the generated sentences.
-WORDS = ["apple", "river", "candle", "falcon", "marble", "violet", "harbor", "pepper", "saddle", "tunnel",
+WORDS = ["apple", "ribbon", "candle", "falcon", "marble", "violet", "harbor", "pepper", "saddle", "tunnel",
          "walnut", "zephyr", "lantern", "meadow", "quartz", "orchid", "pebble", "thistle", "velvet", "anchor",
-         "beacon", "cactus", "dolphin", "ember", "fennel", "glacier", "hazel", "igloo", "jasmine", "kettle",
+         "beacon", "cactus", "dolphin", "ember", "fennel", "glacier", "hazel", "igloo", "jasmine", "kiwi",
          "lagoon", "mango", "nectar", "oyster", "parsley", "quiver", "raven", "sorrel", "tulip", "umber",
          "walrus", "yarrow", "badger", "cobalt", "dune", "ferret", "garnet", "heron", "indigo", "juniper"]
 

@@ -152,7 +152,7 @@ def load_weights(path: Path, model: nn.Module) -> None:
 def load_trainer_state(path: Path) -> dict[str, Any]:
     """trainer.pt (plain tensors and containers only: loaded with weights_only=True)."""
     try:
-        state = torch.load(Path(path) / "trainer.pt", weights_only=True)
+        state = torch.load(Path(path) / "trainer.pt", weights_only=True, map_location="cpu")  # resumable on CPU
     except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as err:
         raise ValueError(f"checkpoint {path} has an unreadable trainer.pt: "
                          f"{str(err).strip().splitlines()[0]}") from None

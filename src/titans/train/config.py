@@ -18,6 +18,8 @@ from ..tasks import Task, get_task
 
 # Fields that may change when a run is resumed: they do not touch the weights, the data stream or the
 # optimiser's trajectory up to the checkpoint (only how far it goes and what is logged along the way).
+# A new `steps` stretches the cosine schedule to the new end from the resumed step on: the learning rate
+# continues from where the new schedule stands, not from where the old one was.
 RESUMABLE_CHANGES = frozenset({"name", "steps", "time_budget_s", "eval_every", "eval_batches", "eval_batch_size",
                                "checkpoint_every", "keep_checkpoints", "log_every", "device", "threads",
                                "tensorboard", "task.eval_lengths"})

@@ -82,10 +82,10 @@ def build_model(cfg: TrainConfig, task: Task) -> nn.Module:
 
 def lr_at(step: int, optim: OptimConfig, total_steps: int) -> float:
     """Learning rate of (0-based) `step`: linear warmup to optim.lr over warmup_steps, then cosine
-    decay that reaches lr * min_lr_ratio at total_steps."""
+    decay that reaches lr * min_lr_ratio at the last step, total_steps - 1."""
     if step < optim.warmup_steps:
         return optim.lr * (step + 1) / optim.warmup_steps
-    progress = min(1.0, (step - optim.warmup_steps) / max(1, total_steps - optim.warmup_steps))
+    progress = min(1.0, (step - optim.warmup_steps) / max(1, total_steps - 1 - optim.warmup_steps))
     floor = optim.lr * optim.min_lr_ratio
     return floor + (optim.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
@@ -183,9 +183,19 @@ class MetricsLog:
         """Drop the records a resumed run will write again: those after `step`, and the final evaluation."""
         if not self.path.is_file():
             return
-        records = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+        lines = [line for line in self.path.read_text().splitlines() if line.strip()]
+        records = []
+        for i, line in enumerate(lines):
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                if i < len(lines) - 1:
+                    raise ValueError(f"{self.path}: line {i + 1} is not JSON") from None
+                # the last line was cut off by a kill mid-write: its step is redone after the checkpoint anyway
         kept = [r for r in records if r["step"] <= step and not r.get("final")]
-        self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        os.replace(tmp, self.path)  # atomic: a kill now leaves the old log or the new one, never half of it
 
     def close(self) -> None:
         if self.writer is not None:
