@@ -6,6 +6,7 @@ import torch
 
 from titans import TitansConfig, TitansLM
 from titans.models import VARIANTS, load_state, sample_next, save_state
+from titans.models.state_io import _flatten
 
 DT = torch.float64
 VOCAB = 32
@@ -133,8 +134,6 @@ def test_parameter_counts_are_matched(config):
     counts = {v: TitansLM(TitansConfig(variant=v, vocab_size=VOCAB, **config)).num_parameters() for v in VARIANTS}
     low, high = min(counts.values()), max(counts.values())
     assert high <= 1.15 * low, counts
-    assert counts["lmm"] == sum(p.numel() for p in TitansLM(TitansConfig(variant="lmm", vocab_size=VOCAB,
-                                                                          **config)).parameters())
 
 
 def test_baseline_memories_are_configs_of_the_same_layer():
@@ -231,3 +230,24 @@ def test_mac_follows_the_paper_order():
         outputs.append(y * torch.sigmoid(gate))
     out, _ = mixer(x)
     assert (out - torch.cat(outputs, 1)).abs().max() <= 1e-12
+
+
+def test_bf16_autocast_trains_and_stays_causal(variant):
+    """Mixed precision: autocast runs the projections and attention in bf16 while the memory keeps its
+    float32 state (autocast is off inside the update rule and its backward pass)."""
+    model = tiny_model(variant).float().train()
+    x = tokens(2, 20)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits, state = model(x)
+        logits.float().logsumexp(-1).mean().backward()
+        changed = x.clone()
+        changed[:, 11] = (changed[:, 11] + 5) % VOCAB
+        logits2, _ = model(changed)
+    assert all(p.grad is None or torch.isfinite(p.grad).all() for p in model.parameters())
+    assert sum(p.grad is not None for p in model.parameters()) == len(list(model.parameters()))
+    assert torch.equal(logits2[:, :11], logits[:, :11])
+    if variant in ("lmm", "mac", "mag", "mal", "gated_deltanet"):
+        tensors = {}
+        _flatten(state, "state", tensors)
+        weights = {k: t for k, t in tensors.items() if "weights" in k or "momentum" in k}
+        assert weights and all(t.dtype == torch.float32 for t in weights.values()), weights.keys()

@@ -6,7 +6,8 @@ reported where it happens instead of as an opaque matmul error deep in the chunk
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Union
+import functools
+from typing import Callable, Optional, TypeVar, Union
 
 import torch
 from torch import Tensor
@@ -14,6 +15,23 @@ from torch import Tensor
 from .mlp import ACTIVATIONS, Weights
 
 Theta = Union[Tensor, Callable[[Tensor, int, int], Tensor]]
+F = TypeVar("F", bound=Callable)
+
+
+def without_autocast(fn: F) -> F:
+    """Run a memory function (or a backward pass: autograd runs it under the caller's autocast) with autocast
+    off, on the device of its first tensor argument: the state lives in the weights' dtype (float32 under mixed
+    precision), and autocast would hand its matmuls' bf16/fp16 results to the in-place float32 state updates."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        device = next((a.device.type for a in args if isinstance(a, Tensor)), "cpu")
+        if not torch.amp.is_autocast_available(device):
+            return fn(*args, **kwargs)
+        with torch.autocast(device_type=device, enabled=False):
+            return fn(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
 
 
 def _check_finite(name: str, t: Tensor) -> None:

@@ -30,6 +30,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
+from .checks import without_autocast
 from .decays import chunk_decays
 from .mlp import ACTIVATION_VJPS, ACTIVATIONS, forward_cached, grad_norm_scale, token_grad_sq_norm
 
@@ -429,6 +430,7 @@ class MemoryScan(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
+    @without_autocast
     def backward(ctx, dy, *d_final):  # type: ignore[override]
         cfg: ScanConfig = ctx.cfg
         q, k, v, theta, eta, alpha, *saved = ctx.saved_tensors

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from .checks import Theta, check_memory_args
+from .checks import Theta, check_memory_args, without_autocast
 from .decays import Decays, chunk_decays
 from .fused import MemoryScan, ScanConfig
 from .mlp import (
@@ -138,6 +138,7 @@ def _fused_memory(q, k, v, theta, eta, alpha, weights, momentum, chunk_size, act
     return y.view(batch, heads, *y.shape[1:]), tuple(final[0::2]), tuple(final[1::2])
 
 
+@without_autocast
 def parallel_memory(
     q: Tensor,
     k: Tensor,

@@ -12,10 +12,11 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .checks import Theta, check_memory_args
+from .checks import Theta, check_memory_args, without_autocast
 from .mlp import Weights, grad_norm_scale, memory_apply
 
 
+@without_autocast
 def sequential_memory(
     q: Tensor,
     k: Tensor,
