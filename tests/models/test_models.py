@@ -251,3 +251,17 @@ def test_bf16_autocast_trains_and_stays_causal(variant):
         _flatten(state, "state", tensors)
         weights = {k: t for k, t in tensors.items() if "weights" in k or "momentum" in k}
         assert weights and all(t.dtype == torch.float32 for t in weights.values()), weights.keys()
+
+
+def test_empty_pieces_change_nothing(model):
+    """A zero-length piece (first, or mid-stream inside a memory chunk) returns empty logits and a state that
+    continues exactly like the one it was given."""
+    x = tokens(2, 20, seed=3)
+    logits, _ = model(x)
+    empty, state = model(x[:, :0])
+    assert empty.shape == (2, 0, VOCAB)
+    first, state = model(x[:, :6], state)
+    nothing, state = model(x[:, 6:6], state)
+    rest, _ = model(x[:, 6:], state)
+    assert nothing.shape == (2, 0, VOCAB)
+    assert (torch.cat([first, rest], 1) - logits).abs().max() <= 1e-12

@@ -18,6 +18,8 @@ def causal_depthwise_conv(x: Tensor, weight: Tensor, bias: Optional[Tensor], cac
     kernel = weight.shape[-1]
     if cache is None:
         cache = x.new_zeros(x.shape[0], kernel - 1, x.shape[2])
+    if x.shape[1] == 0:  # an empty piece of the stream: nothing to convolve, the cache carries over unchanged
+        return x.new_zeros(x.shape[0], 0, weight.shape[0]), cache.to(x.dtype)
     padded = torch.cat([cache.to(x.dtype), x], dim=1)
     y = F.conv1d(padded.transpose(1, 2), weight.unsqueeze(1), bias, groups=weight.shape[0]).transpose(1, 2)
     return y, padded[:, padded.shape[1] - (kernel - 1) :]

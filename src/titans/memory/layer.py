@@ -234,7 +234,7 @@ class NeuralMemory(nn.Module):
             tail = slice(full, total)
             y, _, _ = self._memory(q[:, :, tail], k[:, :, tail], v[:, :, tail], gates[:, :, tail], W, S)
             outputs.append(y)
-        y = torch.cat(outputs, dim=2)[:, :, p:]
+        y = torch.cat(outputs, dim=2)[:, :, p:] if outputs else v[:, :, :0]  # nothing pending, nothing new
         new_state = MemoryState(
             weights=W,
             momentum=S,

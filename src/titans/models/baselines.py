@@ -44,6 +44,11 @@ class LSTMMixer(nn.Module):
         self.lstm = nn.LSTM(cfg.dim, cfg.dim, batch_first=True)
 
     def forward(self, x: Tensor, state: Optional[LSTMState] = None) -> tuple[Tensor, LSTMState]:
+        if x.shape[1] == 0:  # torch's LSTM refuses an empty sequence: no step, the state carries over
+            if state is None:
+                zeros = x.new_zeros(self.lstm.num_layers, x.shape[0], self.lstm.hidden_size)
+                state = LSTMState(zeros, zeros.clone())
+            return x.new_zeros(x.shape[0], 0, self.lstm.hidden_size), state
         y, (h, c) = self.lstm(x, (state.h, state.c) if state is not None else None)
         return y, LSTMState(h, c)
 
