@@ -13,7 +13,8 @@ OPTION_SETS = {
     "default": {},
     "chunk-pooled gates": {"gate_pooling": "chunk"},
     "surprise gate": {"surprise_gate": True},
-    "gated deltanet": {"depth": 1, "momentum": False, "residual": False},
+    "gated deltanet": {"depth": 1, "momentum": False, "residual": False, "gradients": "token"},
+    "mini-batch deltanet": {"depth": 1, "momentum": False, "residual": False},
     "depth 3 silu": {"depth": 3, "activation": "silu", "expansion": 2},
     "bounded gradient norm": {"max_grad_norm": 0.5},
 }
@@ -214,3 +215,28 @@ def test_memory_receives_unit_queries_and_keys_and_bounded_rates(name, monkeypat
         assert theta.min() >= 0 and theta.max() <= 0.05 and theta.max() > 0.04  # saturated tokens reach the bound
         for gate in (eta, alpha):
             assert gate.min() >= 0 and gate.max() <= 1
+
+
+def test_token_gradients_do_not_depend_on_the_chunk_size():
+    """gradients="token" is the exact delta rule: the chunk size changes the cost, never the outputs; chunk-wise
+    gradients (Titans' mini-batch form) do change them."""
+    x = torch.randn(2, 19, 16, dtype=DT, generator=torch.Generator().manual_seed(3))
+    outputs = {}
+    for gradients in ("token", "chunk"):
+        for chunk_size in (1, 4, 16):
+            memory = make_memory(chunk_size=chunk_size, **{**OPTION_SETS["gated deltanet"], "gradients": gradients})
+            with torch.no_grad():
+                memory.to_gates.bias.view(3, 2)[0].fill_(2.0)  # large steps: the chunk-start error is visible
+            outputs[gradients, chunk_size] = memory(x)[0]
+    for chunk_size in (4, 16):
+        assert (outputs["token", chunk_size] - outputs["token", 1]).abs().max() <= 1e-12
+        assert (outputs["chunk", chunk_size] - outputs["chunk", 1]).abs().max() > 1e-4
+    assert (outputs["token", 1] - outputs["chunk", 1]).abs().max() <= 1e-12  # chunks of one token: the same rule
+
+
+@pytest.mark.parametrize("kwargs", [dict(depth=2), dict(momentum=True), dict(surprise_gate=True),
+                                    dict(max_grad_norm=1.0), dict(gradients="exact")])
+def test_token_gradients_need_the_delta_rule_configuration(kwargs):
+    options = {**OPTION_SETS["gated deltanet"], **kwargs}
+    with pytest.raises(ValueError, match="gradients"):
+        NeuralMemory(16, heads=2, **options)

@@ -139,7 +139,10 @@ def test_parameter_counts_are_matched(config):
 
 def test_baseline_memories_are_configs_of_the_same_layer():
     gdn = tiny_model("gated_deltanet").backbone.blocks[0].mixer
-    assert (gdn.depth, gdn.use_momentum, gdn.residual) == (1, False, False)
+    assert (gdn.depth, gdn.use_momentum, gdn.residual, gdn.gradients) == (1, False, False, "token")
+    x = tokens(2, 15)
+    logits = [tiny_model("gated_deltanet", chunk_size=c)(x)[0] for c in (1, 4, 16)]
+    assert max((other - logits[0]).abs().max().item() for other in logits[1:]) <= 1e-12  # the exact delta rule
     gated = tiny_model("lmm", surprise_gate=True).backbone.blocks[0].mixer
     assert gated.surprise_gate and gated.surprise_weight is not None
 

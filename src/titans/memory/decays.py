@@ -54,13 +54,17 @@ def _masked_exp_cumdiff(log_factors: Tensor) -> Tensor:
     return torch.exp(sums.masked_fill(~causal, float("-inf")))
 
 
+def forget_decays(alpha: Tensor) -> tuple[Tensor, Tensor]:
+    """(β, B) of the forgetting gate alone: β_t = Π_{j≤t}(1 − α_j), B[t,r] = Π_{r<j≤t}(1 − α_j) (lower triangular)."""
+    log_keep = _safe_log(1.0 - alpha)
+    return torch.exp(torch.cumsum(log_keep, dim=-1)), _masked_exp_cumdiff(log_keep)
+
+
 def chunk_decays(eta: Tensor, alpha: Tensor) -> Decays:
     """Decay matrices of DESIGN.md §2 step 2, in log space; the chunk is the last dim of eta/alpha."""
-    log_keep = _safe_log(1.0 - alpha)
+    beta, B = forget_decays(alpha)
     log_eta = _safe_log(eta)
-    B = _masked_exp_cumdiff(log_keep)
     E = _masked_exp_cumdiff(log_eta)
-    beta = torch.exp(torch.cumsum(log_keep, dim=-1))
     e = torch.exp(torch.cumsum(log_eta, dim=-1))
     c = (B @ e.unsqueeze(-1)).squeeze(-1)
     return Decays(beta, c, B, E, e)

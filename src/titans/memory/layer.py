@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..layers.conv import CausalDepthwiseConv, causal_depthwise_conv
+from .delta import delta_rule_memory
 from .mlp import ACTIVATIONS, Weights, memory_apply
 from .parallel import parallel_memory
 
@@ -67,6 +68,10 @@ class NeuralMemory(nn.Module):
             about (1 − α)^n of what it wrote n tokens ago, so long contexts want a small value.
         max_grad_norm: bound on each token's inner gradient norm (θ_t scaled by min(1, c / ‖∇ℓ_t‖), see
             `parallel_memory`); None: the paper's unbounded step.
+        gradients: where each token's inner gradient is taken: "chunk" (at its chunk's starting weights, the
+            paper's parallelisable mini-batch form) or "token" (at the weights the previous token left: exact
+            online gradient descent, the gated delta rule; needs depth=1, momentum=False, no surprise gate
+            and no max_grad_norm; chunk_size then sets only the cost, see `delta.py`).
         checkpoint_chunks: chunks per recomputation group in training. None (default) chooses: every
             chunk's state is kept up to 64 chunks, beyond that groups of ⌈√chunks⌉ chunks are recomputed in the
             backward pass, so training holds O(√T) states instead of one per chunk; 0 disables it.
@@ -89,6 +94,7 @@ class NeuralMemory(nn.Module):
         checkpoint_chunks: Optional[int] = None,
         init_alpha: float = 0.006692850924284856,  # sigmoid(-5)
         max_grad_norm: Optional[float] = None,
+        gradients: Literal["chunk", "token"] = "chunk",
     ):
         super().__init__()
         if dim < 1 or heads < 1 or dim % heads:
@@ -109,11 +115,17 @@ class NeuralMemory(nn.Module):
             raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
         if gate_pooling not in ("token", "chunk"):
             raise ValueError(f"gate_pooling must be 'token' or 'chunk', got {gate_pooling!r}")
+        if gradients not in ("chunk", "token"):
+            raise ValueError(f"gradients must be 'chunk' or 'token', got {gradients!r}")
+        if gradients == "token" and (depth != 1 or momentum or surprise_gate or max_grad_norm is not None):
+            raise ValueError("gradients='token' (the exact delta rule) needs depth=1, momentum=False, "
+                             f"surprise_gate=False and max_grad_norm=None, got depth={depth}, momentum={momentum}, "
+                             f"surprise_gate={surprise_gate}, max_grad_norm={max_grad_norm}")
         self.dim, self.heads, self.head_dim = dim, heads, dim // heads
         self.depth, self.chunk_size, self.max_lr = depth, chunk_size, max_lr
         self.activation, self.use_momentum, self.residual = activation, momentum, residual
         self.gate_pooling, self.surprise_gate, self.checkpoint_chunks = gate_pooling, surprise_gate, checkpoint_chunks
-        self.max_grad_norm = max_grad_norm
+        self.max_grad_norm, self.gradients = max_grad_norm, gradients
 
         self.to_qkv = nn.Linear(dim, 3 * dim, bias=False)  # W_Q, W_K, W_V
         self.conv = CausalDepthwiseConv(3 * dim, conv_kernel)
@@ -195,6 +207,9 @@ class NeuralMemory(nn.Module):
 
     def _memory(self, q, k, v, gates, weights, momentum) -> tuple[Tensor, Weights, Weights]:
         theta, eta, alpha = self._gate_values(gates)
+        if self.gradients == "token":  # no momentum: η is unused and the momentum state stays zero
+            y, weights = delta_rule_memory(q, k, v, theta, alpha, weights, self.chunk_size, self.residual)
+            return y, weights, momentum
         return parallel_memory(
             q, k, v, theta, eta, alpha, weights, momentum,
             chunk_size=self.chunk_size, activation=self.activation, residual=self.residual,

@@ -1,8 +1,10 @@
 """Baselines in the same block structure: Transformer++, sliding-window attention, LSTM, Gated DeltaNet.
 
-Gated DeltaNet is a configuration of our memory, not a second implementation: a matrix memory
-(depth 1, no residual) with no momentum (η = 0) gives W_t = (1 − α_t) W_{t−1} − 2 θ_t k_tᵀ(k_t W_{t−1} − v_t),
-the gated delta rule (Yang et al., 2024), in the same chunk-parallel kernel.
+Gated DeltaNet is a configuration of our memory layer (projections, short convs, l2-normalised q/k, gates,
+output norm and gate): a matrix memory (depth 1, no residual, no momentum) whose every token takes its
+gradient at the weights the previous token left, W_t = (1 − α_t) W_{t−1} − 2 θ_t k_tᵀ(k_t W_{t−1} − v_t): the
+gated delta rule (Yang et al., 2024), computed exactly and chunk-parallel by `memory/delta.py`. (Titans'
+own chunk-wise gradients would make it a mini-batch rule whose outputs depend on the chunk size.)
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ def build_swa_mixer(cfg: TitansConfig) -> Attention:
 
 
 def build_gated_deltanet_mixer(cfg: TitansConfig) -> NeuralMemory:
-    return build_memory(cfg, depth=1, momentum=False, residual=False)
+    return build_memory(cfg, depth=1, momentum=False, residual=False, gradients="token")
 
 
 @dataclasses.dataclass

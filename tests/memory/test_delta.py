@@ -1,0 +1,87 @@
+"""The exact gated delta rule (`delta.py`) against the token-by-token recurrence, in float64."""
+
+import itertools
+
+import pytest
+import torch
+
+from titans.memory import delta_rule_memory, sequential_memory
+
+from .test_functional import flat, make_inputs, max_diff
+
+
+def delta_inputs(seq=21, seed=0, requires_grad=False):
+    q, k, v, theta, _, alpha, weights, _ = make_inputs(seq=seq, depth=1, seed=seed)
+    theta = 3.0 * theta  # steps up to 0.3: the correction terms between tokens of a chunk matter
+    args = [q, k, v, theta, alpha, weights]
+    if requires_grad:
+        args = [tuple(t.requires_grad_() for t in a) if isinstance(a, tuple) else a.requires_grad_() for a in args]
+    return args
+
+
+def token_by_token(q, k, v, theta, alpha, weights, residual):
+    """Chunks of one token: every gradient at the weights the previous token left (η = 0: no momentum)."""
+    y, W, _ = sequential_memory(q, k, v, theta, torch.zeros_like(alpha), alpha, weights, chunk_size=1,
+                                residual=residual)
+    return y, W
+
+
+@pytest.mark.parametrize("chunk_size, residual", list(itertools.product([1, 3, 16, 64], [False, True])))
+def test_equals_the_token_by_token_recurrence(chunk_size, residual):
+    args = delta_inputs()  # 21 tokens: ragged last chunk for 3 and 16, one partial chunk for 64
+    y, W = delta_rule_memory(*args, chunk_size=chunk_size, residual=residual)
+    y_ref, W_ref = token_by_token(*args, residual=residual)
+    assert max_diff([y, *W], [y_ref, *W_ref]) <= 1e-12
+
+
+@pytest.mark.parametrize("residual", [False, True])
+def test_gradients_equal_the_recurrence(residual):
+    args = delta_inputs(seq=11, requires_grad=True)
+    probe = torch.Generator().manual_seed(2)
+    grads = []
+    for fn in (lambda *a: delta_rule_memory(*a, chunk_size=4, residual=residual),
+               lambda *a: token_by_token(*a, residual=residual)):
+        y, W = fn(*args)
+        loss = (y * torch.randn(y.shape, generator=probe, dtype=y.dtype)).sum() + (W[0] ** 2).sum()
+        grads.append(torch.autograd.grad(loss, flat(args)))
+        probe.manual_seed(2)
+    assert max_diff(*grads) <= 1e-10
+
+
+def test_gradcheck():
+    q, k, v, theta, alpha, weights = delta_inputs(seq=5, requires_grad=True)
+    k = torch.nn.functional.normalize(k.detach(), dim=-1).requires_grad_()
+
+    def fn(q, k, v, theta, alpha, W):
+        y, (W_new,) = delta_rule_memory(q, k, v, theta, alpha, (W,), chunk_size=2)
+        return y, W_new
+
+    assert torch.autograd.gradcheck(fn, (q[:1, :1], k[:1, :1], v[:1, :1], theta[:1, :1], alpha[:1, :1],
+                                         weights[0][:1, :1]))
+
+
+def test_saturated_forgetting_and_long_streams_stay_exact_and_finite():
+    q, k, v, theta, alpha, weights = delta_inputs(seq=40)
+    alpha = alpha.clone()
+    alpha[:, :, 7] = 1.0  # forget everything at token 7
+    y, W = delta_rule_memory(q, k, v, theta, alpha, weights, chunk_size=16)
+    y_ref, W_ref = token_by_token(q, k, v, theta, alpha, weights, residual=False)
+    assert max_diff([y, *W], [y_ref, *W_ref]) <= 1e-12
+    g = torch.Generator().manual_seed(0)
+    n = 20_000
+    long = [torch.nn.functional.normalize(torch.randn(1, 2, n, 8, generator=g), dim=-1) for _ in range(2)]
+    y, (W,) = delta_rule_memory(long[0], long[1], torch.randn(1, 2, n, 8, generator=g), torch.full((1, 2, n), 0.5),
+                                torch.full((1, 2, n), 1e-3), (torch.zeros(1, 2, 8, 8),), chunk_size=64)
+    assert torch.isfinite(y).all() and torch.isfinite(W).all()
+
+
+def test_bad_input_names_the_argument():
+    q, k, v, theta, alpha, weights = delta_inputs(seq=7)
+    with pytest.raises(ValueError, match="^weights"):
+        delta_rule_memory(q, k, v, theta, alpha, (weights[0], weights[0]))
+    with pytest.raises(ValueError, match="^theta"):
+        delta_rule_memory(q, k, v, lambda s, a, b: s, alpha, weights)
+    with pytest.raises(ValueError, match="^alpha"):
+        delta_rule_memory(q, k, v, theta, alpha + 2.0, weights)
+    with pytest.raises(ValueError, match="^chunk_size"):
+        delta_rule_memory(q, k, v, theta, alpha, weights, chunk_size=0)
