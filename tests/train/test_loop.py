@@ -133,6 +133,23 @@ def test_series_tasks_train_a_forecaster(tiny_config, tmp_path):
     assert set(result.evaluation[24]) == {"loss"} and 0 < result.evaluation[24]["loss"] < 10
 
 
+def test_dropout_masks_depend_on_the_step_not_on_what_ran_before(tiny_config, tmp_path):
+    import copy
+
+    trainer = Trainer(load_train_config(tiny_config, ["model.dropout=0.3"]), tmp_path / "run", quiet=True)
+    trainer.step = 5
+    model, optimizer = copy.deepcopy(trainer.model.state_dict()), copy.deepcopy(trainer.optimizer.state_dict())
+    first = trainer.train_step()
+    trainer.model.load_state_dict(model)
+    trainer.optimizer.load_state_dict(optimizer)
+    torch.rand(1000)  # the global RNG moved on
+    assert trainer.train_step() == first
+    trainer.model.load_state_dict(model)
+    trainer.optimizer.load_state_dict(optimizer)
+    trainer.rank = 1  # another DDP rank (and its rows of the batch): other masks
+    assert trainer.train_step()[0] != first[0]
+
+
 def test_data_tasks_evaluate_on_their_validation_split(tiny_config, tmp_path):
     """A CSV whose validation rows differ from its training rows: training reports the validation split, and
     an evaluation length the validation split cannot hold fails before any training."""

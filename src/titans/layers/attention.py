@@ -5,7 +5,7 @@ Three shapes:
 2. sliding window with an always-visible persistent prefix (SWA, MAG, MAL): one rule covers both —
    key j is visible to query i when j ≤ i and (j is a prefix token, or i − j < window). Positions are
    absolute, so a stream fed in pieces with its `KVCache` gives the same outputs as one call. Long
-   sequences run in query blocks of about `window` queries, each against its own key band plus the
+   sequences run in query blocks of max(window, 64) queries, each against its own key band plus the
    prefix, so memory is O(T · window), not O(T²).
 3. MAC segment attention: queries are the segment's tokens x_i; keys are [persistent p (all visible) ‖
    retrieved memory tokens h (h_j visible iff j ≤ i, since h_j is read with x_j's query) ‖ x (causal)].

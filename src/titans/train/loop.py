@@ -34,6 +34,7 @@ from .checkpoint import latest_checkpoint, load_checkpoint_config, load_trainer_
 from .config import OptimConfig, TrainConfig, check_model_fits_task, resume_mismatches
 
 TRAIN_STREAM, EVAL_STREAM = 1, 2  # keep the training and evaluation data streams disjoint
+DROPOUT_STREAM = 3  # the global RNG (dropout) is reseeded per (seed, step, rank)
 _MASK64 = (1 << 64) - 1
 
 
@@ -309,6 +310,9 @@ class Trainer:
         lr = lr_at(self.step, cfg.optim, cfg.steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        # Dropout masks from (seed, step, rank): each DDP rank draws its own, and a step's masks do not depend on
+        # what ran before it (a resumed or re-run step draws the same ones).
+        torch.manual_seed(derive_seed(DROPOUT_STREAM, cfg.seed, self.step, self.rank))
         batches = []
         for m in range(accum):
             first = m * micro_size + self.rank * per_rank
