@@ -4,6 +4,10 @@ Files are split into train/validation by a hash of their relative path (determin
 machine, and disjoint by construction); each split is read once per process and kept as one byte
 tensor; batches are random windows of length + 1 bytes (vocabulary 256, every position scored).
 Report bits per byte: mean cross-entropy in nats / ln 2.
+
+The split separates files, not content: the standard library repeats code across files, and about 2.5% of
+2048-byte validation windows (8% of 128-byte ones) also occur verbatim in the training files (measured on
+CPython 3.11's library). Validation bits per byte are therefore slightly optimistic; nothing de-duplicates.
 """
 
 from __future__ import annotations
