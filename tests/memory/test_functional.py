@@ -297,9 +297,11 @@ def test_bad_input_names_the_argument(case, fn):
         fn(*args)
 
 
-@pytest.mark.parametrize("bound", [0.0, -1.0, float("inf"), float("nan"), "1"])
+@pytest.mark.parametrize("bound", [0.0, -1.0, float("inf"), float("nan"), "1", 1e-200, 1e160])
 @pytest.mark.parametrize("fn", [parallel_memory, sequential_memory])
 def test_bad_max_grad_norm(bound, fn):
+    """Beyond the range where its square is a normal number (1e-200, 1e160 in float64) the bound would overflow or
+    turn a zero gradient into 0 · ∞."""
     with pytest.raises(ValueError, match="max_grad_norm"):
         fn(*make_inputs(seq=7), max_grad_norm=bound)
 
@@ -350,3 +352,13 @@ def test_decays_keep_float32_precision_after_a_saturated_gate():
     exact, single = chunk_decays(eta, alpha), chunk_decays(eta.float(), alpha.float())
     for x, y in zip(exact, single):
         assert ((y.double() - x).abs() <= 1e-6 * x.abs() + 1e-30).all()
+
+
+def test_extreme_but_valid_gradient_bounds_stay_finite_on_zero_gradients():
+    q, k, v, theta, eta, alpha, weights, momentum = make_inputs(seq=8, depth=2)
+    k, v = k.clone(), v.clone()
+    k[:, :, 2], v[:, :, 2] = 0.0, 0.0  # padding: this token's gradient is exactly zero
+    for bound in (1.5e-154, 1e-20, 1e150):
+        y, W, S = parallel_memory(q, k, v, theta, eta, alpha, weights, momentum, chunk_size=4, residual=False,
+                                  max_grad_norm=bound)
+        assert all(torch.isfinite(t).all() for t in (y, *W, *S))

@@ -141,6 +141,28 @@ def test_backward_on_another_thread_returns_buffers_to_the_forward():
     assert pooled == [2] * 4
 
 
+def test_inference_mode_buffers_never_reach_a_normal_call():
+    """Buffers made under inference_mode are inference tensors, which may not be written outside it: evaluating
+    under inference_mode, then training, must work."""
+    args = make_inputs(seq=12, depth=2, requires_grad=True)
+    with torch.inference_mode():
+        evaluated = parallel_memory(*args, chunk_size=4)[0]
+    y = parallel_memory(*args, chunk_size=4)[0]
+    grads = torch.autograd.grad(y.sum(), flat(args))
+    reference = parallel_memory(*args, chunk_size=4, implementation="autograd")[0]
+    assert max_diff([y, evaluated], [reference, reference.detach()]) <= 1e-12
+    assert max_diff(grads, torch.autograd.grad(reference.sum(), flat(args))) <= 1e-10
+
+
+def test_double_backward_is_refused_even_for_a_loss_linear_in_y():
+    """A loss linear in y gets no grad-requiring incoming gradient, so `once_differentiable` alone would hand back
+    a silent zero second derivative."""
+    args = make_inputs(seq=8, depth=2, requires_grad=True)
+    y = parallel_memory(*args, chunk_size=4)[0]
+    with pytest.raises(RuntimeError, match="implementation='autograd'"):
+        torch.autograd.grad((y * 2.0).sum(), args[3], create_graph=True)
+
+
 def test_release_workspace_then_run_again():
     args = make_inputs(seq=12, depth=2)
     before = parallel_memory(*args, chunk_size=4)[0]

@@ -240,3 +240,10 @@ def test_token_gradients_need_the_delta_rule_configuration(kwargs):
     options = {**OPTION_SETS["gated deltanet"], **kwargs}
     with pytest.raises(ValueError, match="gradients"):
         NeuralMemory(16, heads=2, **options)
+
+
+def test_a_state_of_another_dtype_is_refused():
+    memory = make_memory()
+    _, state = memory(torch.randn(1, 6, 16, dtype=DT))
+    with pytest.raises(ValueError, match="float64 weights but this memory keeps its state in torch.float32"):
+        make_memory().float()(torch.randn(1, 3, 16), state)

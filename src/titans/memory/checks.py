@@ -108,6 +108,11 @@ def check_memory_args(
             raise ValueError(f"weights[{i}] has dtype {w.dtype} but weights[0] has {weights[0].dtype}: the state "
                              "has one dtype")
         expected_in = w.shape[3]
+    if max_grad_norm is not None:  # its square enters the bound: it must be a normal number of the state's dtype
+        info = torch.finfo(weights[0].dtype)
+        if not info.tiny**0.5 <= max_grad_norm <= info.max**0.5:
+            raise ValueError(f"max_grad_norm must lie in [{info.tiny**0.5:.1e}, {info.max**0.5:.1e}] for "
+                             f"{weights[0].dtype} state (its square must be a normal number), got {max_grad_norm!r}")
     if expected_in != v.shape[3]:
         raise ValueError(f"the last of weights outputs {expected_in} features but v has dim {v.shape[3]}")
     if residual and v.shape[3] != dim:

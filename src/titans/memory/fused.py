@@ -64,10 +64,11 @@ def decay_terms(eta: Tensor, alpha: Tensor) -> ChunkDecays:
 
 # --- workspace -------------------------------------------------------------------------------------
 
-# Released buffers by (device, dtype). One pool for the process, not one per thread: autograd may run a
-# backward pass on another thread than its forward (it does on CUDA), and the forward's buffers, released
-# there, must come back to the forward's next call instead of piling up in the other thread's pool.
-_pool: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+# Released buffers by (device, dtype, made under inference mode). One pool for the process, not one per
+# thread: autograd may run a backward pass on another thread than its forward (it does on CUDA), and the
+# forward's buffers, released there, must come back to the forward's next call instead of piling up in the
+# other thread's pool. Inference tensors may not be written outside inference mode: they have their own key.
+_pool: dict[tuple[torch.device, torch.dtype, bool], list[Tensor]] = {}
 _pool_lock = threading.Lock()
 
 
@@ -79,7 +80,7 @@ def _acquire(numel: int, like: Tensor) -> Tensor:
     on every step. The pool keeps released buffers warm for the next call, like a caching allocator.
     """
     with _pool_lock:
-        free = _pool.setdefault((like.device, like.dtype), [])
+        free = _pool.setdefault((like.device, like.dtype, torch.is_inference_mode_enabled()), [])
         fitting = [i for i, buf in enumerate(free) if buf.numel() >= numel]
         if fitting:
             return free.pop(min(fitting, key=lambda i: free[i].numel()))[:numel]
@@ -91,7 +92,7 @@ def _release(buf: Tensor) -> None:
     """Give a buffer from `_acquire` back to the pool (its views must no longer be used)."""
     base = buf if buf._base is None else buf._base
     with _pool_lock:
-        _pool.setdefault((base.device, base.dtype), []).append(base)
+        _pool.setdefault((base.device, base.dtype, base.is_inference()), []).append(base)
 
 
 def release_workspace() -> None:
@@ -429,9 +430,19 @@ class MemoryScan(torch.autograd.Function):
         return (y, *final)
 
     @staticmethod
+    def backward(ctx, dy, *d_final):  # type: ignore[override]
+        # Grad mode is on in a backward pass only under create_graph=True. `once_differentiable` raises there
+        # only when an incoming gradient requires grad; a loss linear in y would get a silent zero second
+        # derivative instead, so refuse every double backward here.
+        if torch.is_grad_enabled():
+            raise RuntimeError("the fused memory's backward pass is not differentiable (create_graph=True): use "
+                               "parallel_memory(..., implementation='autograd') for higher-order gradients")
+        return MemoryScan._backward(ctx, dy, *d_final)
+
+    @staticmethod
     @torch.autograd.function.once_differentiable
     @without_autocast
-    def backward(ctx, dy, *d_final):  # type: ignore[override]
+    def _backward(ctx, dy, *d_final):
         cfg: ScanConfig = ctx.cfg
         q, k, v, theta, eta, alpha, *saved = ctx.saved_tensors
         n = ctx.n_state

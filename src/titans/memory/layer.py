@@ -224,6 +224,9 @@ class NeuralMemory(nn.Module):
         if state is None:
             state = self.init_state(batch, x.device)
         dtype = self._state_dtype()
+        if state.weights[0].dtype != dtype:
+            raise ValueError(f"state holds {state.weights[0].dtype} weights but this memory keeps its state in {dtype} "
+                             "(a state from a model of another dtype?)")
         proj, conv_cache = self.conv(self.to_qkv(x), state.conv_cache)
         proj_q, proj_k, proj_v = proj.to(dtype).chunk(3, dim=-1)
         q = self._queries(proj_q)
