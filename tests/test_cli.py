@@ -99,6 +99,19 @@ def test_train_eval_generate_and_never_overwrite(tmp_path):
     assert checkpoint_step(latest_checkpoint(out)) == 2
 
 
+def test_generate_reads_token_ids_for_a_token_task_even_with_256_ids(tmp_path):
+    """Whether a prompt is text is the task's property, not the vocabulary size's."""
+    out = tmp_path / "run"
+    result = runner.invoke(app, ["train", str(TINY), "--out", str(out), "--quiet", "steps=1",
+                                 "task.options={vocab: 256, num_values: 8}", "model.vocab_size=256"])
+    assert result.exit_code == 0, result.output
+    result = runner.invoke(app, ["generate", str(out), "--prompt", "3 4 5", "--max-new-tokens", "4",
+                                 "--temperature", "0"])
+    assert result.exit_code == 0, result.output
+    assert len([int(t) for t in result.stdout.split()]) == 4
+    assert "token ids" in one_line_error(runner.invoke(app, ["generate", str(out), "--prompt", "hello"]))
+
+
 def test_eval_of_a_data_task_defaults_to_validation_and_takes_a_split(tmp_path):
     rows = "".join(f"{i},{i % 7},{(i * 3) % 5 + (i >= 800) * 50}\n" for i in range(1000))  # the test rows shift
     (tmp_path / "s.csv").write_text("date,a,b\n" + rows)

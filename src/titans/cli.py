@@ -178,7 +178,7 @@ def generate(
     _, cfg, task, model = load_for_inference(ckpt, device)
     if task.vocab_size is None:
         raise ValueError(f"checkpoint {ckpt} is a {cfg.task.name} forecaster, not a language model")
-    byte_level = cfg.model.vocab_size == 256
+    byte_level = task.byte_level  # the task says what its ids are, not the vocabulary size
     if byte_level:
         ids = list(prompt.encode("utf-8"))
     else:
@@ -198,7 +198,10 @@ def generate(
     tokens = model.generate(torch.tensor([ids], device=model_device(model)), max_new_tokens, temperature, top_k,
                             top_p, generator=generator)
     new = tokens[0, len(ids):].tolist()
-    typer.echo(bytes(new).decode("utf-8", errors="replace") if byte_level else " ".join(map(str, new)))
+    if byte_level:  # ids beyond a byte (a model given a larger vocabulary) print as U+FFFD
+        typer.echo(bytes(t if t < 256 else 0xFF for t in new).decode("utf-8", errors="replace"))
+    else:
+        typer.echo(" ".join(map(str, new)))
 
 
 @app.command()

@@ -33,6 +33,10 @@ def test_encoder_shapes_streaming_and_heads():
     assert classifier(x)[0].shape == (2, 5)
     assert classifier.loss(x, torch.tensor([0, 4])).item() > 0
     assert RegressionHead(enc, 2).to(DT)(x)[0].shape == (2, 2)
+    regressor = RegressionHead(enc).to(DT)
+    assert regressor.loss(x, torch.ones(2, 1, dtype=DT)).item() > 0
+    with pytest.raises(ValueError, match="targets"):  # [B] against [B, 1] would broadcast to a [B, B] grid
+        regressor.loss(x, torch.ones(2, dtype=DT))
     forecaster = ForecastHead(enc).to(DT)
     assert forecaster(x)[0].shape == (2, 17, 3)
     forecaster.loss(x[:, :-1], x[:, 1:]).backward()

@@ -150,10 +150,13 @@ def test_baseline_memories_are_configs_of_the_same_layer():
 def test_save_and_load_pretrained(tmp_path):
     model = tiny_model("mac").float()
     model.save_pretrained(tmp_path / "m")
-    again = TitansLM.from_pretrained(tmp_path / "m").eval()
+    again = TitansLM.from_pretrained(tmp_path / "m")
     x = tokens(1, 12)
-    assert again.config == model.config
+    assert again.config == model.config and not again.training  # loaded for inference
     assert torch.equal(again(x)[0], model(x)[0])
+    tiny_model("mag").save_pretrained(tmp_path / "f64")  # float64 comes back float64, exactly
+    again = TitansLM.from_pretrained(tmp_path / "f64")
+    assert again.embed.weight.dtype == DT and torch.equal(again(x)[0], tiny_model("mag")(x)[0])
     other = tmp_path / "other"
     TitansLM(TitansConfig(variant="mac", **{**TINY, "dim": 32})).save_pretrained(other)
     (tmp_path / "m" / "model.safetensors").write_bytes((other / "model.safetensors").read_bytes())
@@ -218,6 +221,24 @@ def test_sampling_options():
         model.generate(prompt, 2, top_k=0)
     with pytest.raises(ValueError, match="temperature"):
         model.generate(prompt, 2, temperature=-1.0)
+    # checked even where unused: greedy decoding, no new tokens; NaN is not a temperature
+    for bad, name in ((dict(temperature=0.0, top_k=0), "top_k"), (dict(temperature=0.0, top_p=2.0), "top_p"),
+                      (dict(temperature=float("nan")), "temperature")):
+        for new_tokens in (0, 3):
+            with pytest.raises(ValueError, match=name):
+                model.generate(prompt, new_tokens, **bad)
+
+
+def test_top_p_keeps_the_smallest_prefix_that_reaches_p():
+    g = torch.Generator().manual_seed(0)
+    for probs, top_p, kept in (([0.5, 0.25, 0.25], 0.5, {0}), ([0.5, 0.25, 0.125, 0.125], 0.75, {0, 1}),
+                               ([0.25] * 4, 0.5, {0, 1}), ([0.5, 0.25, 0.25], 1e-9, {0})):
+        logits = torch.tensor(probs).log().expand(2000, -1)
+        drawn = set(sample_next(logits, 1.0, top_p=top_p, generator=g).tolist())
+        if len(set(probs)) == 1:  # ties: which tokens survive is arbitrary, how many is not
+            assert len(drawn) == len(kept)
+        else:
+            assert drawn == kept, (probs, top_p)
 
 
 def test_mac_follows_the_paper_order():

@@ -109,7 +109,15 @@ class RegressionHead(LastStateHead):
         super().__init__(encoder, out_dim)
 
     def loss(self, x: Tensor, targets: Tensor) -> Tensor:
-        return F.mse_loss(self(x)[0], targets)
+        return mse_same_shape(self(x)[0], targets)
+
+
+def mse_same_shape(outputs: Tensor, targets: Tensor) -> Tensor:
+    """Mean squared error that refuses to broadcast: [B] targets against [B, 1] outputs would silently average
+    over a [B, B] grid of differences."""
+    if targets.shape != outputs.shape:
+        raise ValueError(f"targets must have the outputs' shape {tuple(outputs.shape)}, got {tuple(targets.shape)}")
+    return F.mse_loss(outputs, targets)
 
 
 class ForecastHead(nn.Module):
@@ -125,4 +133,4 @@ class ForecastHead(nn.Module):
         return self.proj(h), state
 
     def loss(self, x: Tensor, targets: Tensor) -> Tensor:
-        return F.mse_loss(self(x)[0], targets)
+        return mse_same_shape(self(x)[0], targets)

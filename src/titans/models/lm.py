@@ -9,12 +9,13 @@ sequence fed in pieces gives the same logits as one call, and generation needs n
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Callable, Optional, Union
 
 import torch
 import torch.nn.functional as F
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_model, save_model
 from torch import Tensor, nn
 
@@ -61,25 +62,30 @@ class Backbone(nn.Module):
         return self.norm(x), new_state
 
 
+def check_sampling(temperature: float, top_k: Optional[int], top_p: Optional[float]) -> None:
+    """Sampling options, checked whether or not they end up used (greedy decoding, no new tokens)."""
+    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+    if top_k is not None and not (isinstance(top_k, int) and top_k >= 1):
+        raise ValueError(f"top_k must be an integer >= 1, got {top_k!r}")
+    if top_p is not None and not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
+        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+
+
 def sample_next(logits: Tensor, temperature: float = 1.0, top_k: Optional[int] = None, top_p: Optional[float] = None,
                 generator: Optional[torch.Generator] = None) -> Tensor:
     """Sample token ids `[batch]` from logits `[batch, vocab]`; temperature 0 is greedy."""
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    check_sampling(temperature, top_k, top_p)
     if temperature == 0:
         return logits.argmax(-1)
     logits = logits.float() / temperature
     if top_k is not None:
-        if top_k < 1:
-            raise ValueError(f"top_k must be >= 1, got {top_k}")
         kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p is not None:
-        if not 0 < top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         probs = sorted_logits.softmax(-1)
-        drop = probs.cumsum(-1) - probs > top_p  # keep the smallest prefix whose mass reaches top_p
+        drop = probs.cumsum(-1) - probs >= top_p  # keep the smallest prefix whose mass reaches top_p
         logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
     probs = logits.softmax(-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
@@ -136,6 +142,7 @@ class TitansLM(nn.Module):
             raise ValueError(f"prompt must be [batch, T] with T >= 1, got shape {tuple(prompt.shape)}")
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        check_sampling(temperature, top_k, top_p)
         logits, state = self(prompt, state)
         tokens = [prompt]
         for _ in range(max_new_tokens):
@@ -162,12 +169,15 @@ class TitansLM(nn.Module):
             config = TitansConfig.from_dict(json.loads(config_path.read_text()))
         except json.JSONDecodeError as err:
             raise ValueError(f"{config_path} is not valid JSON: {err}") from None
-        model = cls(config)
         try:
+            with safe_open(str(weights_path), framework="pt") as f:  # the dtype the weights were saved in
+                dtype = f.get_tensor(next(iter(f.keys()))).dtype
+            model = cls(config).to(device=device, dtype=dtype)
             missing, unexpected = load_model(model, str(weights_path), strict=False, device=device)
-        except (SafetensorError, OSError, RuntimeError) as err:
-            raise ValueError(f"{weights_path} does not match the config: {str(err).splitlines()[0]}") from None
+        except (SafetensorError, OSError, RuntimeError, StopIteration) as err:
+            detail = " ".join(str(err).split())[:300]
+            raise ValueError(f"{weights_path} is unreadable or does not match the config: {detail}") from None
         if missing or unexpected:
             raise ValueError(f"{weights_path} does not match the config (missing {sorted(missing)[:3]}, "
                              f"unexpected {sorted(unexpected)[:3]})")
-        return model
+        return model.eval()  # for inference, as loaded models are used; call .train() to fine-tune

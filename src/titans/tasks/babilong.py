@@ -100,6 +100,7 @@ class Babilong(Task):
     name = "babilong"
     Options = BabilongOptions
     vocab_size = 256
+    byte_level = True
 
     def min_length(self) -> int:
         """The longest possible story, question and answer, with no distractor text."""

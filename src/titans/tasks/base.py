@@ -99,6 +99,7 @@ class Task:
     Options: ClassVar[type[TaskOptions]]
     vocab_size: Optional[int] = None
     num_features: Optional[int] = None
+    byte_level: ClassVar[bool] = False  # token ids are UTF-8 bytes (prompts are text, outputs decode to text)
 
     def __init__(self, options: TaskOptions):
         self.options = options

@@ -80,6 +80,7 @@ class LmBytes(Task):
     name = "lm_bytes"
     Options = LmOptions
     vocab_size = 256
+    byte_level = True
 
     @property
     def data(self) -> torch.Tensor:

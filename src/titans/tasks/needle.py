@@ -96,6 +96,7 @@ class TextNeedle(Task):
 
     Options = NiahOptions
     vocab_size = 256
+    byte_level = True
     needle_template: ClassVar[str]  # with {key} and {value}
     question_template: ClassVar[str]  # with {key}; the answer (the value) follows it directly
 
