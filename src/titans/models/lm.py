@@ -170,8 +170,8 @@ class TitansLM(nn.Module):
         except json.JSONDecodeError as err:
             raise ValueError(f"{config_path} is not valid JSON: {err}") from None
         try:
-            with safe_open(str(weights_path), framework="pt") as f:  # the dtype the weights were saved in
-                dtype = f.get_tensor(next(iter(f.keys()))).dtype
+            with safe_open(str(weights_path), framework="pt") as f:  # the saved dtype, from an empty slice
+                dtype = f.get_slice(next(iter(f.keys())))[:0].dtype
             model = cls(config).to(device=device, dtype=dtype)
             missing, unexpected = load_model(model, str(weights_path), strict=False, device=device)
         except (SafetensorError, OSError, RuntimeError, StopIteration) as err:
