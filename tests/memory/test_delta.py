@@ -7,16 +7,14 @@ import torch
 
 from titans.memory import delta_rule_memory, sequential_memory
 
-from .test_functional import flat, make_inputs, max_diff
+from .test_functional import flat, make_inputs, max_diff, with_grad
 
 
 def delta_inputs(seq=21, seed=0, requires_grad=False):
     q, k, v, theta, _, alpha, weights, _ = make_inputs(seq=seq, depth=1, seed=seed)
     theta = 3.0 * theta  # steps up to 0.3: the correction terms between tokens of a chunk matter
     args = [q, k, v, theta, alpha, weights]
-    if requires_grad:
-        args = [tuple(t.requires_grad_() for t in a) if isinstance(a, tuple) else a.requires_grad_() for a in args]
-    return args
+    return with_grad(args) if requires_grad else args
 
 
 def token_by_token(q, k, v, theta, alpha, weights, residual):

@@ -30,9 +30,12 @@ def make_inputs(batch=2, heads=2, seq=21, dim=4, depth=2, hidden=8, seed=0, requ
     )
     momentum = tuple(0.1 * torch.randn(w.shape, generator=g, dtype=DT) for w in weights)
     args = [q, k, v, theta, eta, alpha, weights, momentum]
-    if requires_grad:
-        args = [tuple(t.requires_grad_() for t in a) if isinstance(a, tuple) else a.requires_grad_() for a in args]
-    return args
+    return with_grad(args) if requires_grad else args
+
+
+def with_grad(args):
+    """The arguments with requires_grad set on every tensor, also inside the weight and momentum tuples."""
+    return [tuple(t.requires_grad_() for t in a) if isinstance(a, tuple) else a.requires_grad_() for a in args]
 
 
 def flat(args):
@@ -75,7 +78,7 @@ def test_values_of_another_width_without_residual(depth, width, implementation):
     last = args[6][-1]
     args[6] = (*args[6][:-1], torch.randn(*last.shape[:3], width, generator=g, dtype=DT) / last.shape[2] ** 0.5)
     args[7] = (*args[7][:-1], 0.1 * torch.randn(*last.shape[:3], width, generator=g, dtype=DT))
-    args = [tuple(t.requires_grad_() for t in a) if isinstance(a, tuple) else a.requires_grad_() for a in args]
+    args = with_grad(args)
     results = []
     for out in (parallel_memory(*args, chunk_size=4, residual=False, implementation=implementation),
                 sequential_memory(*args, chunk_size=4, residual=False)):
@@ -327,7 +330,7 @@ def test_saturated_gates_keep_gradients_finite_and_exact_elsewhere(implementatio
     args[5][:, :, 3] = 1.0
     args[4] = args[4].clone()
     args[4][:, :, 5] = 0.0
-    args = [tuple(t.requires_grad_() for t in a) if isinstance(a, tuple) else a.requires_grad_() for a in args]
+    args = with_grad(args)
     results = []
     for fn in (functools.partial(parallel_memory, implementation=implementation), sequential_memory):
         y, W, _ = fn(*args, chunk_size=4)
