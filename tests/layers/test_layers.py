@@ -110,6 +110,23 @@ def test_bad_attention_arguments():
         Attention(16, 2)(randn(1, 3, 16).float(), prefix_len=4)
 
 
+def test_attention_refuses_a_cache_it_could_not_have_returned():
+    torch.manual_seed(0)
+    windowed = Attention(16, 2, window=4).to(DT)
+    _, cache = windowed(randn(2, 9, 16), prefix_len=2)
+    assert windowed(randn(2, 3, 16, seed=1), cache)[0].shape == (2, 3, 16)  # its own cache goes on
+    with pytest.raises(ValueError, match=r"state.prefix_k has shape \[2, 2, 2, 8\], expected \[3, 2, \*, 8\]"):
+        windowed(randn(3, 3, 16), cache)  # another batch
+    with pytest.raises(ValueError, match=r"state.prefix_k has shape .*expected \[2, 4, \*, 4\]"):
+        Attention(16, 4, window=4).to(DT)(randn(2, 3, 16), cache)  # other heads
+    with pytest.raises(ValueError, match="full attention keeps 7 after 7 tokens"):
+        Attention(16, 2).to(DT)(randn(2, 3, 16), cache)  # a window's cache for full attention
+    with pytest.raises(ValueError, match="a window of 6 keeps 6 after 7 tokens"):
+        Attention(16, 2, window=6).to(DT)(randn(2, 3, 16), cache)
+    with pytest.raises(ValueError, match="continues from a state of type KVCache, got SegmentCache"):
+        windowed(randn(2, 3, 16), SegmentAttention(16, 2, segment_len=7).to(DT)(randn(2, 3, 16), randn(2, 3, 16))[1])
+
+
 # ------------------------------------------------------------------------------ MAC segment
 def test_segment_visibility_rule():
     mask = segment_visibility(n_persistent=2, offset=1, n_queries=3, n_keys=4)
@@ -142,6 +159,8 @@ def test_segment_attention_streams_within_a_segment_and_resets():
     assert (torch.cat(pieces, 1) - y).abs().max() <= 1e-12
     with pytest.raises(ValueError, match="crosses the segment end"):
         layer(x[:, :5], h[:, :5], p, layer(x[:, :3], h[:, :3], p)[1])
+    with pytest.raises(ValueError, match=r"state.k_h has shape \[2, 2, 3, 8\], expected \[1, 2, \*, 8\]"):
+        layer(x[:1, :2], h[:1, :2], p, layer(x[:, :3], h[:, :3], p)[1])  # a cache of another batch
 
 
 def test_segment_attention_is_causal_in_h_and_x():

@@ -247,3 +247,27 @@ def test_a_state_of_another_dtype_is_refused():
     _, state = memory(torch.randn(1, 6, 16, dtype=DT))
     with pytest.raises(ValueError, match="float64 weights but this memory keeps its state in torch.float32"):
         make_memory().float()(torch.randn(1, 3, 16), state)
+
+
+def test_a_state_this_memory_could_not_have_returned_is_refused():
+    """Another batch, depth, width, chunk size or kind of state: a ValueError naming the field, not a failure deep
+    inside a cat or matmul (or, where shapes happen to fit, a silent run)."""
+    memory = make_memory()
+    _, state = memory(torch.randn(2, 6, 16, dtype=DT))  # 2 tokens pending in a chunk of 4
+    x = torch.randn(2, 2, 16, dtype=DT)
+    cases = [  # (layer, input, state, what the error says)
+        (memory, torch.randn(3, 2, 16, dtype=DT), state,
+         r"state.weights\[0\] has shape \[2, 2, 8, 32\], expected \[3, 2, 8, 32\]"),
+        (make_memory(depth=1), x, state, "state holds 2 weight and 2 momentum layers, this memory has 1"),
+        (make_memory(expansion=2), x, state, r"state.weights\[0\] has shape .*expected \[2, 2, 8, 16\]"),
+        (make_memory(chunk_size=2), x, state, "2 pending tokens, but a chunk of 2 completes at 2"),
+        (make_memory(conv_kernel=2), x, state, r"state.conv_cache has shape \[2, 3, 48\], expected \[2, 1, 48\]"),
+        (memory, x, state.weights, "continues from a state of type MemoryState, got tuple"),
+    ]
+    for layer, x, wrong_state, message in cases:
+        with pytest.raises(ValueError, match=message):
+            layer(x, wrong_state)
+    with pytest.raises(ValueError, match=r"state.weights\[0\] has shape"):
+        memory.retrieve(torch.randn(3, 2, 16, dtype=DT), state)
+    with pytest.raises(ValueError, match=r"state.query_cache has shape \[2, 3, 16\], expected \[3, 3, 16\]"):
+        memory.retrieve(torch.randn(3, 2, 16, dtype=DT), None, memory.retrieve(torch.randn(2, 2, 16, dtype=DT))[1])

@@ -120,6 +120,52 @@ def test_state_save_load_round_trip(model, tmp_path):
     assert torch.equal(model(query, state)[0], model(query, loaded)[0])
 
 
+# (state's variant, model's variant, what the error names); MAG and MAL states share a structure (next test)
+ANOTHER_MODEL = [
+    ("lmm", "mal", "MALMixer continues from a state of type AttentionMemoryState, got MemoryState"),
+    ("mac", "lmm", "NeuralMemory continues from a state of type MemoryState, got MACState"),
+    ("mag", "mac", "MACMixer continues from a state of type MACState, got AttentionMemoryState"),
+    ("lmm", "lstm", "LSTMMixer continues from a state of type LSTMState, got MemoryState"),
+    ("lstm", "swa", "Attention continues from a state of type KVCache, got LSTMState"),
+    ("swa", "transformer", "state.k holds 5 keys, but full attention keeps 12 after 12 tokens"),
+    ("gated_deltanet", "lmm", "state holds 1 weight and 1 momentum layers, this memory has 2"),
+]
+
+
+@pytest.mark.parametrize("source, target, message", ANOTHER_MODEL)
+def test_a_state_from_another_model_is_refused(source, target, message):
+    state = tiny_model(source).memorize(tokens(1, 12))
+    with pytest.raises(ValueError, match=message):
+        tiny_model(target)(tokens(1, 3), state)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_a_state_from_another_batch_or_size_is_refused(variant):
+    state = tiny_model(variant).memorize(tokens(2, 12))
+    with pytest.raises(ValueError, match="has shape .*, expected .*another batch size"):
+        tiny_model(variant)(tokens(3, 3), state)
+    with pytest.raises(ValueError, match="has shape .*, expected .*another size"):
+        tiny_model(variant, dim=32)(tokens(2, 3), state)
+
+
+def test_a_state_file_records_its_model(tmp_path):
+    mag, mal = tiny_model("mag"), tiny_model("mal")
+    path = tmp_path / "state.safetensors"
+    save_state(mag.memorize(tokens(1, 9)), path, config=mag.config)
+    query = tokens(1, 4, seed=2)
+    assert torch.equal(mag(query, load_state(path, config=mag.config))[0], mag(query, load_state(path))[0])
+    assert load_state(path, config=tiny_model("mag", dropout=0.1).config) is not None  # dropout: not the state's
+    with pytest.raises(ValueError, match="another model: variant='mag' \\(this model: 'mal'\\)"):
+        load_state(path, config=mal.config)  # same structure: only the record tells them apart
+    with pytest.raises(ValueError, match="window=5 \\(this model: 7\\)"):
+        load_state(path, config=tiny_model("mag", window=7).config)
+    save_state(mag.memorize(tokens(1, 9)), tmp_path / "bare.safetensors")
+    with pytest.raises(ValueError, match="records no model config"):
+        load_state(tmp_path / "bare.safetensors", config=mag.config)
+    with pytest.raises(ValueError, match="config must be a titans config"):
+        save_state([], tmp_path / "x.safetensors", config={"variant": "mag"})
+
+
 def test_memorize_then_query_equals_one_pass():
     model = tiny_model("mac")
     document, query = tokens(1, 20), tokens(1, 5, seed=5)

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .rope import RotaryEmbedding
+from .state import check_state_shapes, check_state_type
 
 # Query blocks are at least this long: much shorter blocks pay more in per-call overhead than they
 # save in masked-out scores.
@@ -157,6 +158,14 @@ class HeadProjections(nn.Module):
     def merge(self, y: Tensor) -> Tensor:
         return self.dropout(self.out(y.transpose(1, 2).flatten(2)))
 
+    def check_cache(self, cache: object, cls: type, batch: int) -> None:
+        """`cache` must be a `cls` whose keys and values are `[batch, heads, *, head_dim]`, as this layer returns."""
+        owner = type(self).__name__
+        check_state_type(owner, cache, cls)
+        fields = (f.name for f in dataclasses.fields(cls))
+        check_state_shapes(owner, {name: (getattr(cache, name), (batch, self.heads, None, self.head_dim))
+                                   for name in fields if isinstance(getattr(cache, name), Tensor)})
+
 
 class Attention(HeadProjections):
     """Multi-head causal attention with RoPE; `window=None` is full attention (Transformer++).
@@ -176,6 +185,8 @@ class Attention(HeadProjections):
     def forward(self, x: Tensor, cache: Optional[KVCache] = None, prefix_len: int = 0) -> tuple[Tensor, KVCache]:
         if cache is None and not 0 <= prefix_len <= x.shape[1]:  # the prefix only exists at the stream start
             raise ValueError(f"prefix_len must be in [0, {x.shape[1]}], got {prefix_len}")
+        if cache is not None:
+            self._check_kv_cache(cache, x.shape[0])
         pos = cache.pos if cache is not None else 0
         positions = torch.arange(pos, pos + x.shape[1], device=x.device)
         q, k, v = self.project(x, positions)
@@ -202,6 +213,17 @@ class Attention(HeadProjections):
             recent_k, recent_v = recent_k[:, :, -self.window :], recent_v[:, :, -self.window :]
         return self.merge(y), KVCache(cache.prefix_k, cache.prefix_v, recent_k, recent_v, pos + x.shape[1])
 
+    def _check_kv_cache(self, cache: KVCache, batch: int) -> None:
+        self.check_cache(cache, KVCache, batch)
+        # Full attention keeps every past key, a window the last `window`: a cache of the other kind (or of
+        # another window) has the wrong number of keys for its position.
+        past = cache.pos - cache.prefix_k.shape[2]
+        kept = past if self.window is None else min(past, self.window)
+        if cache.k.shape[2] != kept:
+            window = "full attention" if self.window is None else f"a window of {self.window}"
+            raise ValueError(f"Attention: state.k holds {cache.k.shape[2]} keys, but {window} keeps {kept} after "
+                             f"{past} tokens (a cache from attention with another window?)")
+
 
 class SegmentAttention(HeadProjections):
     """MAC's attention over [persistent p ‖ retrieved memory h ‖ segment x] (paper eq. 22).
@@ -222,6 +244,8 @@ class SegmentAttention(HeadProjections):
                 cache: Optional[SegmentCache] = None) -> tuple[Tensor, SegmentCache]:
         if h.shape != x.shape:
             raise ValueError(f"h must have the shape of x {tuple(x.shape)}, got {tuple(h.shape)}")
+        if cache is not None:
+            self.check_cache(cache, SegmentCache, x.shape[0])
         offset = cache.length if cache is not None else 0
         n = x.shape[1]
         if offset + n > self.segment_len:

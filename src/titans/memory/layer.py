@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..layers.conv import CausalDepthwiseConv, causal_depthwise_conv
+from ..layers.state import check_state_shapes, check_state_type
 from .delta import delta_rule_memory
 from .mlp import ACTIVATIONS, Weights, memory_apply
 from .parallel import parallel_memory
@@ -57,7 +58,8 @@ class NeuralMemory(nn.Module):
         chunk_size: tokens whose gradients share the chunk's starting weights (paper §3.2).
         max_lr: θ_max, the bound on the inner learning rate.
         activation: σ inside the memory MLP ("gelu" or "silu").
-        momentum: False sets η = 0 (no past surprise); with depth=1, residual=False this is Gated DeltaNet.
+        momentum: False sets η = 0 (no past surprise); with depth=1, residual=False, gradients="token" this is
+            Gated DeltaNet.
         residual: M(x) = x + MLP(x).
         conv_kernel: width of the causal depthwise convs on q, k, v.
         gate_pooling: "token" (per-token θ, η, α) or "chunk" (each chunk uses its first token's gates,
@@ -168,6 +170,33 @@ class NeuralMemory(nn.Module):
             pending_gates=torch.zeros(batch_size, self.heads, 0, 3, device=device, dtype=dtype),
         )
 
+    def _check_state(self, state: MemoryState, batch: int) -> None:
+        """A state this memory could have returned for a batch of `batch` streams (see layers/state.py)."""
+        check_state_type("NeuralMemory", state, MemoryState)
+        if len(state.weights) != len(self.initial_weights) or len(state.momentum) != len(self.initial_weights):
+            raise ValueError(f"NeuralMemory: state holds {len(state.weights)} weight and {len(state.momentum)} "
+                             f"momentum layers, this memory has {len(self.initial_weights)} (a state from another "
+                             "memory depth?)")
+        shapes = {}
+        for i, w in enumerate(self.initial_weights):
+            shapes[f"weights[{i}]"] = (state.weights[i], (batch, *w.shape))
+            shapes[f"momentum[{i}]"] = (state.momentum[i], (batch, *w.shape))
+        p = state.pending_k.shape[2] if state.pending_k.dim() == 4 else None
+        shapes.update(
+            conv_cache=(state.conv_cache, (batch, self.conv.kernel - 1, 3 * self.dim)),
+            pending_k=(state.pending_k, (batch, self.heads, None, self.head_dim)),
+            pending_v=(state.pending_v, (batch, self.heads, p, self.head_dim)),
+            pending_gates=(state.pending_gates, (batch, self.heads, p, 3)),
+        )
+        check_state_shapes("NeuralMemory", shapes)
+        if state.num_pending >= self.chunk_size:
+            raise ValueError(f"NeuralMemory: state holds {state.num_pending} pending tokens, but a chunk of "
+                             f"{self.chunk_size} completes at {self.chunk_size} (a state from another chunk size?)")
+        dtype = self._state_dtype()
+        if state.weights[0].dtype != dtype:
+            raise ValueError(f"NeuralMemory: state holds {state.weights[0].dtype} weights but this memory keeps its "
+                             f"state in {dtype} (a state from a model of another dtype?)")
+
     # ---------------------------------------------------------------------------------- projections
     def _split_heads(self, t: Tensor) -> Tensor:
         return t.unflatten(-1, (self.heads, self.head_dim)).transpose(1, 2)  # [B, T, D] -> [B, H, T, d]
@@ -223,10 +252,8 @@ class NeuralMemory(nn.Module):
         batch, seq, _ = x.shape
         if state is None:
             state = self.init_state(batch, x.device)
+        self._check_state(state, batch)
         dtype = self._state_dtype()
-        if state.weights[0].dtype != dtype:
-            raise ValueError(f"state holds {state.weights[0].dtype} weights but this memory keeps its state in {dtype} "
-                             "(a state from a model of another dtype?)")
         proj, conv_cache = self.conv(self.to_qkv(x), state.conv_cache)
         proj_q, proj_k, proj_v = proj.to(dtype).chunk(3, dim=-1)
         q = self._queries(proj_q)
@@ -284,6 +311,10 @@ class NeuralMemory(nn.Module):
             raise ValueError(f"x must be [batch, seq, {self.dim}], got shape {tuple(x.shape)}")
         if state is None:
             state = self.init_state(x.shape[0], x.device)
+        self._check_state(state, x.shape[0])
+        if query_cache is not None:
+            check_state_shapes("NeuralMemory.retrieve", {
+                "query_cache": (query_cache, (x.shape[0], self.conv.kernel - 1, self.dim))})
         dim = self.dim
         proj_q = F.linear(x, self.to_qkv.weight[:dim])
         proj_q, query_cache = causal_depthwise_conv(proj_q, self.conv.weight[:dim], self.conv.bias[:dim], query_cache)

@@ -14,7 +14,7 @@ from typing import Optional
 
 from torch import Tensor, nn
 
-from ..layers import Attention
+from ..layers import Attention, check_state_shapes, check_state_type
 from ..memory import NeuralMemory
 from .common import build_memory, build_window_attention
 from .config import TitansConfig
@@ -46,6 +46,10 @@ class LSTMMixer(nn.Module):
         self.lstm = nn.LSTM(cfg.dim, cfg.dim, batch_first=True)
 
     def forward(self, x: Tensor, state: Optional[LSTMState] = None) -> tuple[Tensor, LSTMState]:
+        if state is not None:
+            check_state_type("LSTMMixer", state, LSTMState)
+            size = (self.lstm.num_layers, x.shape[0], self.lstm.hidden_size)
+            check_state_shapes("LSTMMixer", {"h": (state.h, size), "c": (state.c, size)})
         if x.shape[1] == 0:  # torch's LSTM refuses an empty sequence: no step, the state carries over
             if state is None:
                 zeros = x.new_zeros(self.lstm.num_layers, x.shape[0], self.lstm.hidden_size)

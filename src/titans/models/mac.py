@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from ..layers import PersistentMemory, RMSNorm, SegmentAttention, SegmentCache
+from ..layers import PersistentMemory, RMSNorm, SegmentAttention, SegmentCache, check_state_type
 from ..memory import MemoryState
 from .common import build_memory
 from .config import TitansConfig
@@ -64,7 +64,9 @@ class MACMixer(nn.Module):
         return out, MACState(memory, segment_memory, query_cache, attention)
 
     def forward(self, x: Tensor, state: Optional[MACState] = None) -> tuple[Tensor, MACState]:
-        state = state if state is not None else MACState()
+        if state is None:
+            state = MACState()
+        check_state_type("MACMixer", state, MACState)
         outputs, start = [], 0
         while start < x.shape[1]:
             offset = state.attention.length if state.attention is not None else 0

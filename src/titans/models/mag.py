@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from ..layers import KVCache, PersistentMemory, RMSNorm
+from ..layers import KVCache, PersistentMemory, RMSNorm, check_state_type
 from ..memory import MemoryState
 from .common import build_memory, build_window_attention, with_prefix
 from .config import TitansConfig
@@ -38,6 +38,8 @@ class MAGMixer(nn.Module):
         self.norm_memory = RMSNorm(cfg.dim)
 
     def forward(self, x: Tensor, state: Optional[AttentionMemoryState] = None) -> tuple[Tensor, AttentionMemoryState]:
+        if state is not None:
+            check_state_type(type(self).__name__, state, AttentionMemoryState)
         x_tilde, prefix = with_prefix(x, self.persistent, state)
         y, attention_cache = self.attention(x_tilde, state.attention if state else None, prefix_len=prefix)
         m, memory_state = self.memory(x_tilde, state.memory if state else None)

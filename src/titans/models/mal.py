@@ -12,7 +12,7 @@ from typing import Optional
 
 from torch import Tensor, nn
 
-from ..layers import PersistentMemory, RMSNorm
+from ..layers import PersistentMemory, RMSNorm, check_state_type
 from .common import build_memory, build_window_attention, with_prefix
 from .config import TitansConfig
 from .mag import AttentionMemoryState
@@ -27,6 +27,8 @@ class MALMixer(nn.Module):
         self.attention = build_window_attention(cfg)
 
     def forward(self, x: Tensor, state: Optional[AttentionMemoryState] = None) -> tuple[Tensor, AttentionMemoryState]:
+        if state is not None:
+            check_state_type(type(self).__name__, state, AttentionMemoryState)
         x_tilde, prefix = with_prefix(x, self.persistent, state)
         y, memory_state = self.memory(x_tilde, state.memory if state else None)
         o, attention_cache = self.attention(self.norm(y), state.attention if state else None, prefix_len=prefix)

@@ -6,6 +6,10 @@ entry per block: memory states, KV caches, ...). Tensors go into the file under 
 and the dataclass names ("module:QualName") go into the file's metadata as JSON, so a state saved
 in one process loads bit-exactly in another. Only dataclasses defined inside `titans` are rebuilt:
 a state file never makes us import arbitrary modules.
+
+Given the model's config, the file records it too, and loading with a config refuses a state saved by
+another model: the states of MAG and MAL, or of two sizes of one variant, may have the same structure,
+so only the record tells them apart.
 """
 
 from __future__ import annotations
@@ -14,14 +18,18 @@ import dataclasses
 import importlib
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
+from ..config import Config
+
 METADATA_KEY = "titans_state"
+CONFIG_KEY = "titans_config"
+_STATE_NEUTRAL = frozenset({"dropout"})  # config fields a state does not depend on
 _SCALARS = {"int": (int, torch.int64), "float": (float, torch.float64), "bool": (bool, torch.bool)}
 
 
@@ -81,15 +89,41 @@ def _unflatten(node: dict, tensors: dict[str, Tensor]) -> Any:
     raise ValueError(f"unreadable state node {sorted(node)}")
 
 
-def save_state(state: Any, path: str | Path) -> None:
-    """Write `state` (a model's recurrent state, or any nesting of the types above) to `path`."""
+def save_state(state: Any, path: str | Path, config: Optional[Config] = None) -> None:
+    """Write `state` (a model's recurrent state, or any nesting of the types above) to `path`; with the
+    model's `config` (`model.config`), record it so that `load_state` can check the state belongs to it."""
     tensors: dict[str, Tensor] = {}
     structure = _flatten(state, "state", tensors)
-    save_file(tensors, str(path), metadata={METADATA_KEY: json.dumps(structure)})
+    metadata = {METADATA_KEY: json.dumps(structure)}
+    if config is not None:
+        metadata[CONFIG_KEY] = json.dumps(_config_dict(config))
+    save_file(tensors, str(path), metadata=metadata)
 
 
-def load_state(path: str | Path, device: str = "cpu") -> Any:
-    """Read a state written by `save_state`, its tensors on `device`."""
+def _config_dict(config: Config) -> dict:
+    if not isinstance(config, Config):
+        raise ValueError(f"config must be a titans config (model.config), got {type(config).__name__}")
+    return {"type": type(config).__name__, "fields": config.to_dict()}
+
+
+def _check_config(path: Path, metadata: dict[str, str], config: Config) -> None:
+    """The state in `path` was saved by a model with `config` (fields a state does not depend on aside)."""
+    if CONFIG_KEY not in metadata:
+        raise ValueError(f"{path} records no model config, so it cannot be checked against this model (saved "
+                         "without save_state(..., config=model.config)?); load it without config= to skip the check")
+    saved, ours = json.loads(metadata[CONFIG_KEY]), json.loads(json.dumps(_config_dict(config)))
+    if saved["type"] != ours["type"]:
+        raise ValueError(f"{path} holds the state of a {saved['type']} model, not of a {ours['type']}")
+    names = sorted((set(saved["fields"]) | set(ours["fields"])) - _STATE_NEUTRAL)
+    differ = [n for n in names if saved["fields"].get(n) != ours["fields"].get(n)]
+    if differ:
+        listed = ", ".join(f"{n}={saved['fields'].get(n)!r} (this model: {ours['fields'].get(n)!r})" for n in differ)
+        raise ValueError(f"{path} holds the state of another model: {listed}")
+
+
+def load_state(path: str | Path, device: str = "cpu", config: Optional[Config] = None) -> Any:
+    """Read a state written by `save_state`, its tensors on `device`. With `config` (`model.config`), refuse a
+    state that was saved by a model with another config, or saved without one."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"state file {path} does not exist")
@@ -101,4 +135,6 @@ def load_state(path: str | Path, device: str = "cpu") -> Any:
         raise ValueError(f"state file {path} is not a readable safetensors file: {err}") from None
     if METADATA_KEY not in metadata:
         raise ValueError(f"{path} holds no titans state (metadata {METADATA_KEY!r} missing)")
+    if config is not None:
+        _check_config(path, metadata, config)
     return _unflatten(json.loads(metadata[METADATA_KEY]), tensors)

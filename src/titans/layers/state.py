@@ -1,0 +1,28 @@
+"""The checks every layer runs on a state handed back to it: is it one this layer could have returned?
+
+A state from another variant, model size or batch size would otherwise fail deep inside a `cat` or a
+matmul with a message about tensor numbers or, where the shapes happen to fit, run on silently.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Optional
+
+from torch import Tensor
+
+Sizes = tuple[Optional[int], ...]  # None: a size that may vary (a cache's length)
+
+
+def check_state_type(owner: str, state: object, cls: type) -> None:
+    if not isinstance(state, cls):
+        raise ValueError(f"{owner} continues from a state of type {cls.__name__}, got {type(state).__name__} "
+                         "(a state from another kind of model?)")
+
+
+def check_state_shapes(owner: str, shapes: Mapping[str, tuple[Tensor, Sizes]]) -> None:
+    """`shapes`: field name -> (tensor, expected sizes); a ValueError names the first field that differs."""
+    for name, (tensor, expected) in shapes.items():
+        if tensor.dim() != len(expected) or any(e is not None and s != e for s, e in zip(tensor.shape, expected)):
+            want = ", ".join("*" if e is None else str(e) for e in expected)
+            raise ValueError(f"{owner}: state.{name} has shape {list(tensor.shape)}, expected [{want}] "
+                             "(a state from a model of another size, or from another batch size?)")
