@@ -54,7 +54,8 @@ def train(
     resume: bool = typer.Option(False, help="Continue the run directory from its latest checkpoint."),
     quiet: bool = typer.Option(False, help="No progress bar."),
 ) -> None:
-    """Train a model: checkpoints, metrics.jsonl and eval.json go to the run directory (its path is the last line).
+    """Train a model: checkpoints, metrics.jsonl and eval.json go to the run directory (eval.json's path is the
+    last line).
 
     Under torchrun (`torchrun --nproc_per_node 2 -m titans.cli train ...`) it trains data-parallel.
     """
@@ -123,8 +124,9 @@ def eval_command(
     batches: int | None = typer.Option(None, min=1, help="Batches per length (default: the config's)."),
     batch_size: int | None = typer.Option(None, min=1, help="Sequences per batch (default: the config's)."),
     seed: int = typer.Option(0, help="Evaluation set (0 is the set training reports on)."),
-    split: str | None = typer.Option(None, help="Tasks read from data (lm_bytes, forecast_csv): the split to "
-                                                "evaluate on, e.g. val or test (default: val, as training reports)."),
+    split: str | None = typer.Option(None, help="Tasks read from data: the split to evaluate on, train or val "
+                                                "(lm_bytes), train, val or test (forecast_csv); default val, as "
+                                                "training reports."),
     device: str = typer.Option("cpu", help="cpu, cuda or auto."),
     out: Path | None = typer.Option(None, help="Results JSON (default: <checkpoint>/eval_<task>.json)."),
 ) -> None:

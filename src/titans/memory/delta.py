@@ -33,7 +33,8 @@ def delta_rule_memory(
     residual: bool = False,
 ) -> tuple[Tensor, Weights]:
     """Run the exact gated delta rule over `[batch, heads, seq, dim]` inputs; return (y, weights after the
-    last token). `weights` is one `[batch, heads, d_k, d_v]` matrix; θ, α are `[batch, heads, seq]`.
+    last token). `weights` is a 1-tuple holding one `[batch, heads, d_k, d_v]` matrix; θ, α are
+    `[batch, heads, seq]`.
     With `residual`, M(x) = x + x W (so ℓ_t = ‖k_t W − (v_t − k_t)‖² and y_t = q_t + q_t W_t)."""
     if not isinstance(theta, Tensor):
         raise ValueError(f"theta must be a tensor [batch, heads, seq] for the delta rule, got {type(theta).__name__}")

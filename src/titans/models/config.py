@@ -33,7 +33,7 @@ class TitansConfig(Config):
     memory_activation: Literal["gelu", "silu"] = "gelu"  # paper: GELU
     momentum: bool = True  # η (past surprise); gated_deltanet always runs without
     gate_pooling: Literal["token", "chunk"] = "token"
-    surprise_gate: bool = False  # θ_t = θ_max sigmoid(w·[x_t, surprise_t])
+    surprise_gate: bool = False  # θ_t = θ_max sigmoid(x_t w_θ + b_θ + w_s log(1 + surprise_t))
     conv_kernel: int = 4
     mlp_ratio: float = 4.0  # SwiGLU hidden = mlp_ratio · dim · 2/3 before parameter matching
     match_params: bool = True  # size each variant's MLP so all variants have about the same parameters

@@ -6,7 +6,7 @@ Options follow the common Titans encoder API and map onto `TitansConfig`:
     embed_dim    input features (the input projection's width)
     hidden_size  model width (`dim`)
     memory_size  hidden width of each memory head's MLP: `memory_expansion = memory_size // (hidden_size //
-                 heads)` (rounded down to a multiple of the head width); None keeps the default 4 × head width
+                 memory_heads)`, memory_heads defaulting to heads; None keeps the default 4 × head width
     num_layers   blocks (`depth`)
     dropout      `dropout`
     momentum     η on/off in the memory (`momentum`)
