@@ -8,6 +8,7 @@ YAML file never silently falls back to a default.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import types
 import typing
@@ -19,7 +20,21 @@ import yaml
 
 class _Loader(yaml.SafeLoader):
     """SafeLoader that also reads `1e9` and `3.0e-4` as numbers: YAML 1.1 (PyYAML's) needs a dot and a
-    signed exponent, so `lr: 1e-3` worked but `time_budget_s: 1e9` silently became a string."""
+    signed exponent, so `lr: 1e-3` worked but `time_budget_s: 1e9` silently became a string. It rejects a
+    key written twice in one mapping, which PyYAML resolves silently to the last value."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen = set()
+        for key_node, _ in node.value:
+            # Scalar keys only (all a config has); keys a `<<` merge brings in may be overridden, so it is skipped.
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (line {key_node.start_mark.line + 1})", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
 
 
 _Loader.add_implicit_resolver(
@@ -91,6 +106,7 @@ def _check_value(path: str, tp: Any, value: Any) -> Any:
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(f"{path}: expected a number, got {value!r}")
+        _check_finite(path, value)
         return float(value)
     if tp is str:
         if not isinstance(value, str):
@@ -99,11 +115,27 @@ def _check_value(path: str, tp: Any, value: Any) -> Any:
     return value
 
 
+def _check_finite(path: str, value: float) -> None:
+    """No field means anything by NaN or infinity (`None` is how a field says "no limit"), and NaN slips past
+    range checks such as `x <= 0` in `validate`: every comparison with it is false."""
+    try:
+        finite = math.isfinite(value)
+    except OverflowError:  # an integer beyond the float range
+        finite = False
+    if not finite:
+        raise ValueError(f"{path}: expected a finite number, got {value!r}")
+
+
 @dataclasses.dataclass
 class Config:
     """Base class: strict `from_dict`/`to_dict`/YAML round trip plus a `validate` hook."""
 
     def __post_init__(self) -> None:
+        # `from_dict` checked the floats already, naming their full path; this covers direct construction.
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, float):
+                _check_finite(field.name, value)
         self.validate()
 
     def validate(self) -> None:
@@ -152,10 +184,14 @@ class Config:
 def read_yaml_mapping(path: str | Path) -> dict[str, Any]:
     """The mapping at the top of a YAML file; ValueError naming the file when it is missing or malformed."""
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"config file {path} is a directory, not a file")
     if not path.is_file():
         raise ValueError(f"config file {path} does not exist")
     try:
-        data = load_yaml(path.read_text())
+        data = load_yaml(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as err:
+        raise ValueError(f"config file {path} is not UTF-8 text (byte {err.start}: {err.reason})") from None
     except yaml.YAMLError as err:
         raise ValueError(f"config file {path} is not valid YAML: {str(err).splitlines()[0]}") from None
     if not isinstance(data, dict):
@@ -171,6 +207,8 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             raise ValueError(f"override {item!r} must look like key.path=value")
         key, raw = item.split("=", 1)
         parts = key.strip().split(".")
+        if not all(parts):
+            raise ValueError(f"override {item!r}: the key has an empty part; it must look like key.path=value")
         node = result
         for part in parts[:-1]:
             child = node.get(part)

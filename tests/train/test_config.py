@@ -1,12 +1,17 @@
 """TrainConfig: strict loading, overrides, the task check, resume compatibility, every shipped config."""
 
+import re
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
+from typer.testing import CliRunner
 
+from titans.cli import app
+from titans.models import TitansConfig
 from titans.train import build_model, build_task, load_train_config
-from titans.train.config import resume_mismatches
+from titans.train.config import OptimConfig, resume_mismatches
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = sorted((ROOT / "configs").rglob("*.yaml"))
@@ -34,6 +39,88 @@ def test_vocab_size_comes_from_the_task_unless_given(tiny_config):
 def test_bad_fields_are_named(tiny_config, override, field):
     with pytest.raises(ValueError, match=field.replace(".", r"\.")):
         load_train_config(tiny_config, [override, "optim.grad_accum=2"])
+
+
+@pytest.mark.parametrize("override, message", [
+    *[(f"{field}={value}", rf"{field}: expected a finite number, got {value[1:]}")
+      for field in ("optim.lr", "optim.weight_decay", "optim.grad_clip", "optim.eps", "model.max_lr",
+                    "model.mlp_ratio", "model.rope_base", "time_budget_s")
+      for value in (".nan", ".inf")],
+    ("task.options.depth=.nan", r"task passkey\.depth: expected a finite number"),  # task options too
+    ("optim.lr=1e400", r"optim\.lr: expected a finite number, got inf"),
+    ("optim.lr=" + "9" * 400, r"optim\.lr: expected a finite number"),  # an integer beyond the float range
+    ("optim.betas=[.nan, 0.95]", r"optim\.betas\[0\]: expected a finite number"),
+    ("model.rope_base=1", "rope_base must be > 1"),
+    ("model.rope_base=0", "rope_base must be > 1"),
+    ("model.rope_base=-1", "rope_base must be > 1"),
+    ("seed=1180591620717411303424", r"seed must be in \[0, 2\*\*63 - 1\]"),
+    ("seed=-1", r"seed must be in \[0, 2\*\*63 - 1\]"),
+    ("threads=100000", r"threads must be in \[1, 1024\]"),
+    ("model.vocab_size=1099511627776", "vocab_size must be <= 16777216"),
+    *[(f"name={name}", "name must be letters, digits")
+      for name in ("../victim", "/abs", "a/b", r"a\b", ".", "..", ".x", "a b")],
+    ("=3", "override '=3': the key has an empty part"),
+    ("model..dim=3", "override 'model..dim=3': the key has an empty part"),
+    ("model.=3", "override 'model.=3': the key has an empty part"),
+])
+def test_non_finite_out_of_range_and_malformed_values_are_named(tiny_config, override, message):
+    with pytest.raises(ValueError, match=message):
+        load_train_config(tiny_config, [override])
+
+
+def test_limits_themselves_are_accepted(tiny_config):
+    cfg = load_train_config(tiny_config, ["seed=9223372036854775807", "threads=1024", "name=run_2.b-c",
+                                          "model.rope_base=1.5", "model.vocab_size=16777216"])
+    assert (cfg.seed, cfg.threads, cfg.run_name, cfg.model.rope_base) == (2**63 - 1, 1024, "run_2.b-c", 1.5)
+    # an empty name is the default: the run is named after the variant
+    unnamed = {**yaml.safe_load(tiny_config.read_text()), "name": ""}
+    assert load_train_config(data=unnamed).run_name == "lmm"
+
+
+@pytest.mark.parametrize("make, field", [
+    (lambda: TitansConfig(mlp_ratio=float("nan")), "mlp_ratio"),
+    (lambda: TitansConfig(variant="swa", mlp_ratio=float("inf")), "mlp_ratio"),
+    (lambda: TitansConfig(rope_base=float("nan")), "rope_base"),
+    (lambda: OptimConfig(lr=float("inf")), "lr"),
+    (lambda: OptimConfig(weight_decay=float("nan")), "weight_decay"),
+])
+def test_non_finite_values_are_rejected_on_direct_construction(make, field):
+    with pytest.raises(ValueError, match=f"^{field}: expected a finite number"):
+        make()
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"steps: 2\nsteps: 3\n", r"is not valid YAML: duplicate key 'steps' \(line 2\)"),
+    (b"optim: {lr: 0.1, lr: 0.2}\n", r"is not valid YAML: duplicate key 'lr' \(line 1\)"),
+    (b"\xff\xfe\x00steps: 2\n", "is not UTF-8 text"),
+], ids=["duplicate key", "duplicate nested key", "binary"])
+def test_bad_config_files_are_named(tmp_path, content, message):
+    path = tmp_path / "bad.yaml"
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match=f"config file {re.escape(str(path))} {message}"):
+        load_train_config(path)
+
+
+def test_yaml_merge_keys_may_still_be_overridden(tmp_path, tiny_config):
+    path = tmp_path / "merged.yaml"
+    path.write_text(tiny_config.read_text().replace("optim: {lr: 0.01,", "optim: {<<: {lr: 0.01}, lr: 0.02,"))
+    assert load_train_config(path).optim.lr == 0.02
+
+
+def test_a_directory_is_not_a_config_file(tmp_path):
+    with pytest.raises(ValueError, match=f"config file {re.escape(str(tmp_path))} is a directory, not a file"):
+        load_train_config(tmp_path)
+    result = CliRunner().invoke(app, ["train", str(tmp_path)])
+    assert result.exit_code == 2 and "is a directory, not a file" in result.stderr, result.output
+
+
+def test_demo_refuses_a_name_that_leaves_its_folder(tmp_path, tiny_config):
+    data = yaml.safe_load(tiny_config.read_text())
+    path = tmp_path / "escape.yaml"
+    path.write_text(yaml.safe_dump({**data, "name": "../victim"}))
+    result = CliRunner().invoke(app, ["demo", "--out", str(tmp_path / "demo"), "--configs", str(path)])
+    assert result.exit_code == 2 and "name must be letters" in result.stderr, result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["escape.yaml"]
 
 
 def test_unknown_task_and_option_are_named(tiny_config):

@@ -9,6 +9,9 @@ from ..config import Config
 
 Variant = Literal["lmm", "mac", "mag", "mal", "transformer", "swa", "lstm", "gated_deltanet"]
 VARIANTS: tuple[str, ...] = ("lmm", "mac", "mag", "mal", "transformer", "swa", "lstm", "gated_deltanet")
+# Far above any real vocabulary (large LLM tokenizers have ~256k tokens); a typo past it would otherwise fail
+# allocating the embedding table with an allocator traceback instead of an error naming the field.
+MAX_VOCAB_SIZE = 2**24
 
 
 @dataclasses.dataclass
@@ -47,6 +50,8 @@ class TitansConfig(Config):
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.vocab_size > MAX_VOCAB_SIZE:
+            raise ValueError(f"vocab_size must be <= {MAX_VOCAB_SIZE} (2**24), got {self.vocab_size}")
         choices = {"variant": VARIANTS, "memory_activation": ("gelu", "silu"), "gate_pooling": ("token", "chunk")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
@@ -69,3 +74,7 @@ class TitansConfig(Config):
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
         if self.mlp_ratio <= 0:
             raise ValueError(f"mlp_ratio must be > 0, got {self.mlp_ratio}")
+        if self.rope_base <= 1:
+            raise ValueError(f"rope_base must be > 1, got {self.rope_base}: RoPE turns channel pair i by "
+                             f"rope_base^(-2i/head_dim) radians per token, which falls from fast to slow rotations "
+                             f"only for a base above 1")

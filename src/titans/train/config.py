@@ -9,6 +9,7 @@ file leaves it out.
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -23,6 +24,13 @@ from ..tasks import Task, get_task
 RESUMABLE_CHANGES = frozenset({"name", "steps", "time_budget_s", "eval_every", "eval_batches", "eval_batch_size",
                                "checkpoint_every", "keep_checkpoints", "log_every", "device", "threads",
                                "tensorboard", "task.eval_lengths"})
+
+# A run's name is the name of its directory (runs/<name>, demo/<name>): one path component that cannot climb out
+# of its parent (no separator, no leading dot so neither `.` nor `..`), in characters every filesystem takes.
+RUN_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*")
+MAX_SEED = 2**63 - 1  # a signed 64-bit integer: torch.manual_seed and derive_seed (64-bit parts) take it as it is
+# torch.set_num_threads crashes the process (segfault) on huge counts; no machine has more cores than this.
+MAX_THREADS = 1024
 
 
 @dataclasses.dataclass
@@ -97,6 +105,11 @@ class TrainConfig(Config):
     tensorboard: bool = True  # also write run_dir/tensorboard when the tensorboard package is installed
 
     def validate(self) -> None:
+        if self.name and not RUN_NAME.fullmatch(self.name):
+            raise ValueError(f"name must be letters, digits, '-', '_' and '.', not starting with '.' (it names the "
+                             f"run directory), got {self.name!r}")
+        if not 0 <= self.seed <= MAX_SEED:
+            raise ValueError(f"seed must be in [0, 2**63 - 1], got {self.seed}")
         for name in ("steps", "batch_size", "eval_batches", "eval_batch_size", "keep_checkpoints", "log_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -105,8 +118,9 @@ class TrainConfig(Config):
                 raise ValueError(f"{name} must be >= 0 (0 disables), got {getattr(self, name)}")
         if self.time_budget_s is not None and self.time_budget_s <= 0:
             raise ValueError(f"time_budget_s must be > 0 (or null for no limit), got {self.time_budget_s}")
-        if self.threads is not None and self.threads < 1:
-            raise ValueError(f"threads must be >= 1 (or null for torch's default), got {self.threads}")
+        if self.threads is not None and not 1 <= self.threads <= MAX_THREADS:
+            raise ValueError(f"threads must be in [1, {MAX_THREADS}] (or null for torch's default), "
+                             f"got {self.threads}")
         if self.batch_size % self.optim.grad_accum:
             raise ValueError(f"batch_size ({self.batch_size}) must be divisible by optim.grad_accum "
                              f"({self.optim.grad_accum})")
