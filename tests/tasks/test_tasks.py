@@ -343,6 +343,35 @@ def test_csv_errors(tmp_path):
         get_task("forecast_csv")
 
 
+@pytest.mark.parametrize("cell", ["nan", "NaN", "inf", "-Infinity"])
+@pytest.mark.parametrize("columns", [None, ["b"]])
+def test_csv_non_finite_values_name_the_file_column_and_row(tmp_path, cell, columns):
+    path = tmp_path / "holes.csv"
+    path.write_text("date,a,b\n" + "".join(f"2020-{i},{i},{cell if i >= 2 else i}\n" for i in range(20)))
+    with pytest.raises(ValueError, match=rf"holes\.csv: column 'b' has the non-finite value '{cell}' in data row 3 "):
+        get_task("forecast_csv", path=str(path), columns=columns)
+
+
+def test_csv_that_is_not_a_text_file_is_named(tmp_path):
+    binary = tmp_path / "data.csv.gz"
+    binary.write_bytes(b"\x1f\x8b\x08\x00" + bytes(range(256)) * 4)
+    with pytest.raises(ValueError, match=r"data\.csv\.gz is not UTF-8 text"):
+        get_task("forecast_csv", path=str(binary))
+    huge = tmp_path / "huge.csv"
+    huge.write_text("a,b\n" + "x" * 200_000 + ",1\n")  # one field over the csv module's limit
+    with pytest.raises(ValueError, match=r"huge\.csv cannot be read as CSV"):
+        get_task("forecast_csv", path=str(huge))
+    with pytest.raises(ValueError, match=r"is a directory, not a file"):
+        get_task("forecast_csv", path=str(tmp_path))
+
+
+def test_csv_byte_order_mark_is_not_part_of_the_first_column_name(tmp_path):
+    path = tmp_path / "excel.csv"
+    lines = ["HUFL,OT"] + [f"{i * 0.5},{i % 7}" for i in range(20)]
+    path.write_bytes(b"\xef\xbb\xbf" + "\n".join(lines).encode())  # spreadsheets' 'CSV UTF-8' starts with a BOM
+    assert get_task("forecast_csv", path=str(path), columns=["HUFL"]).columns == ["HUFL"]
+
+
 def test_lm_bytes_splits_by_file(tmp_path):
     files = {f"pkg{i % 3}/mod{i}.py": f"# module {i}\n" * (i + 1) for i in range(60)}
     for name, body in files.items():
@@ -391,9 +420,23 @@ def test_lm_bytes_default_corpus_is_the_stdlib():
         ("forecast_sine", {"noise": -1.0}, "noise"),
         ("forecast_sine", {"num_features": 0}, "num_features"),
         ("forecast_sine", {"min_period": 1.0}, "min_period"),
+        ("forecast_sine", {"noise": math.nan}, "noise"),
+        ("forecast_sine", {"noise": math.inf}, "noise"),
+        ("forecast_sine", {"min_period": math.nan}, "min_period"),
+        ("forecast_sine", {"min_period": math.inf, "max_period": math.inf}, "min_period"),
+        ("forecast_sine", {"max_period": math.inf}, "max_period"),
+        ("forecast_sine", {"max_period": math.nan}, "max_period"),
+        ("forecast_sine", {"max_period": 4.0}, "max_period"),
         ("lm_bytes", {"split": "test"}, "split"),
         ("lm_bytes", {"root": "/no/such/dir"}, "root"),
         ("lm_bytes", {"val_fraction": 1.0}, "val_fraction"),
+        ("lm_bytes", {"val_fraction": math.nan}, "val_fraction"),
+        ("lm_bytes", {"val_fraction": math.inf}, "val_fraction"),
+        ("lm_bytes", {"pattern": ""}, "pattern"),
+        ("lm_bytes", {"pattern": "/etc/*.conf"}, "pattern '/etc/\\*.conf' must be relative to root"),
+        ("lm_bytes", {"pattern": "../*.py"}, "pattern '../\\*.py' must be relative to root and stay inside it"),
+        ("lm_bytes", {"pattern": "pkg/../../*.py"}, "pattern .* must be relative to root and stay inside it"),
+        ("lm_bytes", {"pattern": "a**.py"}, "pattern .*'\\*\\*' must be a whole path component"),
         ("passkey", {"colour": "red"}, "colour"),
     ],
 )

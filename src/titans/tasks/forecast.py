@@ -81,9 +81,17 @@ class CsvOptions(TaskOptions):
 def read_numeric_csv(path: Path, columns: Optional[list[str]]) -> tuple[list[str], torch.Tensor]:
     """(names, values [rows, columns] float64) of the numeric columns of a CSV with a header row."""
     if not path.is_file():
-        raise ValueError(f"CSV file {path} does not exist")
-    with path.open(newline="") as f:
-        header, *body = list(csv.reader(f)) or [[]]
+        problem = ("is a directory, not a file" if path.is_dir() else
+                   "is not a regular file" if path.exists() else "does not exist")
+        raise ValueError(f"CSV file {path} {problem}")
+    try:
+        # utf-8-sig: a spreadsheet's byte-order mark would otherwise stick to the first column's name
+        with path.open(newline="", encoding="utf-8-sig") as f:
+            header, *body = list(csv.reader(f)) or [[]]
+    except UnicodeDecodeError as err:
+        raise ValueError(f"CSV file {path} is not UTF-8 text ({err.reason})") from None
+    except csv.Error as err:  # e.g. a field over the csv module's size limit, as in a binary file
+        raise ValueError(f"CSV file {path} cannot be read as CSV: {err}") from None
     if not body:
         raise ValueError(f"CSV file {path} has no data rows")
 
@@ -108,6 +116,11 @@ def read_numeric_csv(path: Path, columns: Optional[list[str]]) -> tuple[list[str
     numeric = [c for c, v in values.items() if v is not None]
     if not numeric:
         raise ValueError(f"CSV file {path} has no numeric columns (columns: {header})")
+    for c in numeric:  # float() accepts 'nan' and 'inf', which would poison the standardisation and training
+        row = next((r for r, v in enumerate(values[c]) if not math.isfinite(v)), None)
+        if row is not None:
+            raise ValueError(f"CSV file {path}: column {header[c]!r} has the non-finite value {body[row][c]!r} "
+                             f"in data row {row + 1} (counting from 1 after the header)")
     return [header[c] for c in numeric], torch.tensor([values[c] for c in numeric], dtype=torch.float64).T
 
 

@@ -17,7 +17,7 @@ import hashlib
 import math
 import sysconfig
 from functools import lru_cache
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Literal
 
 import torch
@@ -47,6 +47,14 @@ class LmOptions(TaskOptions):
             raise ValueError(f"root {self.root!r} is not a directory")
         if not self.pattern:
             raise ValueError("pattern must be a file glob such as '*.py'")
+        pattern = PurePath(self.pattern)
+        # pathlib's glob refuses an absolute pattern (a traceback) and '**' inside a name (only at the first read);
+        # '..' would reach files outside root
+        if pattern.anchor or ".." in pattern.parts:
+            raise ValueError(f"pattern {self.pattern!r} must be relative to root and stay inside it, such as '*.py' "
+                             "or 'pkg/*.py' (set root to search another directory)")
+        if any("**" in part and part != "**" for part in pattern.parts):
+            raise ValueError(f"pattern {self.pattern!r}: '**' must be a whole path component, such as '**/*.py'")
         if not 0 < self.val_fraction < 1:
             raise ValueError(f"val_fraction must be in (0, 1), got {self.val_fraction}")
 
