@@ -164,10 +164,51 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path, monkeypatch):
                 "task.eval_lengths=[24,48]", "--out", "short-run"]  # the validation split has 10 rows
     assert "too long for the val split" in one_line_error(runner.invoke(app, ["train", str(TINY), *too_long]))
     assert not (tmp_path / "short-run").exists()  # a run that never started leaves no folder to refuse later
+    fits = [*too_long[:-3], "task.eval_lengths=[8]", "task.train_length=8", "steps=1"]
+    assert runner.invoke(app, ["train", str(TINY), *fits, "--out", "short-run", "--quiet"]).exit_code == 0
+    before = sorted(p.relative_to(tmp_path) for p in (tmp_path / "short-run").rglob("*"))
+    error = one_line_error(runner.invoke(app, ["train", str(TINY), *too_long, "--force"]))
+    assert "too long for the val split" in error  # --force replaces a run only once the new one is checked
+    assert sorted(p.relative_to(tmp_path) for p in (tmp_path / "short-run").rglob("*")) == before
     assert "not a titans run directory" in one_line_error(runner.invoke(app, ["train", str(TINY), "--resume"]))
     assert "neither a checkpoint" in one_line_error(runner.invoke(app, ["eval", str(tmp_path)]))
     assert "does not exist" in one_line_error(runner.invoke(app, ["generate", "missing", "--prompt", "1"]))
     assert not (tmp_path / "runs").exists()
+
+
+def test_evaluations_are_kept_apart_and_survive_pruning(tmp_path):
+    """eval's default file sits in the run directory and is named by task, split, seed and step; resuming (which
+    prunes old checkpoints) leaves it, and a file put into a pruned checkpoint folder stays too."""
+    out = tmp_path / "run"
+    assert runner.invoke(app, ["train", str(TINY), "--out", str(out), "--quiet", "steps=2"]).exit_code == 0
+    written = []
+    for extra in ([], ["--seed", "3"], ["--lengths", "24"]):
+        result = runner.invoke(app, ["eval", str(out), "--batches", "1", *extra])
+        assert result.exit_code == 0, result.output
+        written.append(Path(result.stdout.splitlines()[-1]))
+    assert [p.name for p in written] == ["eval_passkey_step2.json", "eval_passkey_seed3_step2.json",
+                                         "eval_passkey_step2.json"]  # the same evaluation, asked again
+    mine = latest_checkpoint(out) / "notes.txt"
+    mine.write_text("mine")
+    result = runner.invoke(app, ["train", str(TINY), "--out", str(out), "--resume", "--quiet", "steps=6",
+                                 "checkpoint_every=1"])
+    assert result.exit_code == 0, result.output
+    assert all(p.is_file() for p in written) and mine.read_text() == "mine"
+    assert checkpoint_step(latest_checkpoint(out)) == 6 and latest_checkpoint(out) != mine.parent
+
+
+def test_resume_checks_the_config_before_the_first_checkpoint_and_the_metrics_log(tmp_path):
+    out = tmp_path / "run"
+    argv = ["train", str(TINY), "--out", str(out), "--quiet", "checkpoint_every=0"]
+    assert runner.invoke(app, [*argv, "steps=1"]).exit_code == 0
+    for path in (out / "checkpoints").rglob("*"):  # a run stopped before its first checkpoint
+        if path.is_file():
+            path.unlink()
+    config = (out / "config.yaml").read_text()
+    assert "model.dim (16 -> 32)" in one_line_error(runner.invoke(app, [*argv, "steps=1", "model.dim=32", "--resume"]))
+    assert (out / "config.yaml").read_text() == config
+    (out / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n{}\n{"step": 1}\n')
+    assert "line 2 is not a metrics record" in one_line_error(runner.invoke(app, [*argv, "steps=1", "--resume"]))
 
 
 def test_bad_checkpoints_and_prompts_are_one_line(tmp_path):
@@ -193,6 +234,7 @@ def test_bad_checkpoints_and_prompts_are_one_line(tmp_path):
     (checkpoint / "config.yaml").write_text("steps: [")
     assert "invalid config.yaml" in error("eval", str(out))
     (checkpoint / "config.yaml").write_text(yaml.safe_dump(config))
+    assert "already exists; pass --force" in error("eval", str(out), "--out", str(checkpoint / "model.safetensors"))
     (checkpoint / "model.safetensors").write_bytes(b"not a safetensors file")
     assert "corrupt" in error("eval", str(out))
     assert "corrupt" in error("train", str(TINY), "--out", str(out), "--resume", "steps=4")

@@ -39,6 +39,11 @@ def friendly(command: Callable) -> Callable:
         except (ValueError, OSError) as err:
             typer.echo(f"error: {one_line(err)}", err=True)
             raise typer.Exit(USAGE_ERROR) from None
+        except (MemoryError, RuntimeError) as err:  # a size the machine cannot hold: say so, not a traceback
+            if not isinstance(err, MemoryError) and "allocate" not in str(err):
+                raise
+            typer.echo(f"error: out of memory ({one_line(err)[:200]}); reduce the sizes in the config", err=True)
+            raise typer.Exit(USAGE_ERROR) from None
 
     return wrapper
 
@@ -63,23 +68,13 @@ def train(
 
     from .train import load_train_config, setup_distributed
     from .train import train as run_training
-    from .train.checkpoint import discard_unstarted_run, prepare_run_dir
 
     cfg = load_train_config(config, overrides or [])
     run_dir = out or Path("runs") / cfg.run_name
     distributed = setup_distributed(cfg.device)
     lead = not distributed or dist.get_rank() == 0
-    created = lead and not resume and not run_dir.exists()
     try:
-        if lead:
-            prepare_run_dir(run_dir, force, resume)
-        if distributed:
-            dist.barrier()
-        result = run_training(cfg, run_dir, resume=resume, quiet=quiet)
-    except Exception:
-        if created:
-            discard_unstarted_run(run_dir)
-        raise
+        result = run_training(cfg, run_dir, resume=resume, quiet=quiet, force=force)
     finally:
         if distributed:
             dist.destroy_process_group()
@@ -128,13 +123,17 @@ def eval_command(
                                                 "(lm_bytes), train, val or test (forecast_csv); default val, as "
                                                 "training reports."),
     device: str = typer.Option("cpu", help="cpu, cuda or auto."),
-    out: Path | None = typer.Option(None, help="Results JSON (default: <checkpoint>/eval_<task>.json)."),
+    out: Path | None = typer.Option(None, help="Results JSON (default: eval_<task>[_<split>][_seed<seed>]_step<N>"
+                                               ".json in the run directory, which pruning checkpoints keeps)."),
+    force: bool = typer.Option(False, help="Overwrite an existing --out file."),
 ) -> None:
     """Evaluate a checkpoint at several lengths: prints a table, writes a JSON (its path is the last line)."""
     from .tasks import get_task
     from .train import evaluate
     from .train.config import check_model_fits_task
 
+    if out is not None and out.exists() and not force:
+        raise ValueError(f"--out {out} already exists; pass --force to overwrite it")
     path, cfg, trained_task, model = load_for_inference(ckpt, device)
     eval_task = (trained_task if task is None or task == cfg.task.name else get_task(task)).held_out(split)
     if (eval_task.vocab_size is None) != (trained_task.vocab_size is None):
@@ -142,17 +141,33 @@ def eval_command(
         raise ValueError(f"--task {eval_task.name} is {kinds[eval_task.vocab_size is None]} but the checkpoint "
                          f"was trained on {kinds[trained_task.vocab_size is None]}")
     check_model_fits_task(cfg.model, eval_task)
+    if eval_task.num_features != trained_task.num_features:
+        raise ValueError(f"--task {eval_task.name} has {eval_task.num_features} features per step but the checkpoint "
+                         f"was trained on {trained_task.num_features}")
     results = evaluate(model, eval_task, parse_lengths(lengths) if lengths else cfg.task.eval_lengths,
                        batches or cfg.eval_batches, batch_size or cfg.eval_batch_size, seed, device=model_device(model))
     names = list(next(iter(results.values())))
     typer.echo(f"{'length':>8} " + " ".join(f"{name:>14}" for name in names))
     for length, metrics in results.items():
         typer.echo(f"{length:>8} " + " ".join(f"{metrics[name]:>14.4f}" for name in names))
-    out = out or path / f"eval_{eval_task.name}.json"
-    out.write_text(json.dumps({"task": eval_task.name, "split": getattr(eval_task.options, "split", None),
+    split_name = getattr(eval_task.options, "split", None)
+    out = out or default_eval_path(path, eval_task.name, split if split else None, seed)
+    out.write_text(json.dumps({"task": eval_task.name, "split": split_name,
                                "checkpoint": str(path), "seed": seed,
                                "results": {str(k): v for k, v in results.items()}}, indent=2))
     typer.echo(str(out))
+
+
+def default_eval_path(checkpoint: Path, task: str, split: str | None, seed: int) -> Path:
+    """Where `titans eval` writes by default: beside the run (checkpoints are pruned as training goes on), named
+    by everything that selects the evaluation, so that evaluations of one checkpoint do not overwrite each other."""
+    from .train.checkpoint import RUN_MARKER, checkpoint_step
+
+    run_dir = checkpoint.parent.parent  # run/checkpoints/step_N
+    name = f"eval_{task}" + (f"_{split}" if split else "") + (f"_seed{seed}" if seed else "")
+    if checkpoint.parent.name == "checkpoints" and (run_dir / RUN_MARKER).is_file():
+        return run_dir / f"{name}_step{checkpoint_step(checkpoint)}.json"
+    return checkpoint / f"{name}.json"  # a checkpoint folder on its own
 
 
 def model_device(model: Any):
@@ -182,7 +197,7 @@ def generate(
         raise ValueError(f"checkpoint {ckpt} is a {cfg.task.name} forecaster, not a language model")
     byte_level = task.byte_level  # the task says what its ids are, not the vocabulary size
     if byte_level:
-        ids = list(prompt.encode("utf-8"))
+        ids = list(prompt.encode("utf-8", errors="surrogateescape"))  # bytes of the argument that are not UTF-8
     else:
         try:
             ids = [int(token) for token in prompt.split()]
@@ -220,11 +235,9 @@ def demo(
 
     Prints the table, writes demo.png and demo.json to --out; the JSON's path is the last line.
     """
-    from .train.checkpoint import prepare_run_dir
     from .train.demo import run_demo
 
-    prepare_run_dir(out, force, resumable=False)
-    typer.echo(str(run_demo(out, configs, jobs=jobs, quiet=quiet)))
+    typer.echo(str(run_demo(out, configs, jobs=jobs, quiet=quiet, force=force)))
 
 
 def main() -> None:

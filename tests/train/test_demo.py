@@ -46,6 +46,22 @@ def test_demo_writes_table_plot_and_json(tmp_path, tiny_config):
     assert "--force" in again.stderr and "--resume" not in again.stderr  # demo has no --resume to suggest
     assert json.loads((out / "demo.json").read_text()) == data
 
+    def refused(extra_args, message):
+        result = CliRunner().invoke(app, ["demo", "--out", str(out), "--force", "--jobs", "1", *extra_args])
+        assert result.exit_code == 2 and message in result.stderr, result.output
+        assert json.loads((out / "demo.json").read_text()) == data  # checked before anything was deleted
+
+    refused(["--configs", str(tmp_path / "missing.yaml")], "does not exist")
+    series = [tiny_demo_config(tmp_path, tiny_config, f"series-{v}", v) for v in ("lmm", "swa")]
+    for path in series:
+        cfg = yaml.safe_load(path.read_text())
+        cfg["task"] = {"name": "forecast_sine", "train_length": 24, "eval_lengths": [24]}
+        path.write_text(yaml.safe_dump(cfg))
+    refused([a for c in series for a in ("--configs", str(c))], "series task forecast_sine")
+    fresh = tmp_path / "never"
+    result = CliRunner().invoke(app, ["demo", "--out", str(fresh), "--configs", str(tmp_path / "missing.yaml")])
+    assert result.exit_code == 2 and not fresh.exists()  # a refused demo leaves no folder to refuse later
+
 
 def test_table_has_a_row_per_model_and_a_column_per_length():
     table = format_table({"a": {"256": 1.0, "512": 0.5}, "swa": {"256": 0.75, "512": 0.125}})

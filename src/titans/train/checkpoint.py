@@ -16,6 +16,7 @@ function of the config, so a second write would only add a window in which it is
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import shutil
@@ -30,11 +31,13 @@ from torch import nn
 from .config import TrainConfig, load_train_config
 
 RUN_MARKER = ".titans-run"
+CHECKPOINT_FILES = ("model.safetensors", "trainer.pt", "config.yaml")  # what a checkpoint folder holds
 TRAINER_STATE_KEYS = ("step", "optimizer", "rng", "train_seconds", "skipped_steps")
 
 
-def prepare_run_dir(run_dir: Path, force: bool = False, resume: bool = False, resumable: bool = True) -> None:
-    """Create `run_dir` for a new run, or check it for `resume` (`resumable`: whether the command has one).
+def check_run_dir(run_dir: Path, force: bool = False, resume: bool = False, resumable: bool = True) -> None:
+    """Whether `prepare_run_dir` may go ahead; touches nothing, so a command checks this, then everything else
+    (config, device, data), and only then prepares: a run refused for another reason loses nothing.
 
     An existing non-empty folder is never touched without `force`, and `force` deletes only a folder
     that titans made (it holds the run marker): `--force --out ~` must not wipe a home directory.
@@ -51,18 +54,19 @@ def prepare_run_dir(run_dir: Path, force: bool = False, resume: bool = False, re
         if not (run_dir / RUN_MARKER).is_file():
             raise ValueError(f"--force: {run_dir} was not made by titans (no {RUN_MARKER} in it); "
                              "refusing to delete it")
+
+
+def prepare_run_dir(run_dir: Path, force: bool = False, resume: bool = False, resumable: bool = True) -> None:
+    """Create `run_dir` for a new run (with `force`, after deleting the titans run there), or check it for
+    `resume` (`resumable`: whether the command has one); `check_run_dir` says what is refused."""
+    check_run_dir(run_dir, force, resume, resumable)
+    run_dir = Path(run_dir)
+    if resume:
+        return
+    if run_dir.is_dir() and any(run_dir.iterdir()):  # a titans run, and `force`: check_run_dir said so
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / RUN_MARKER).touch()
-
-
-def discard_unstarted_run(run_dir: Path) -> None:
-    """Remove a run directory that holds nothing but its marker: a new run that failed before writing anything
-    (a length its validation split cannot hold, a device that is missing) must not leave a folder behind that
-    the next attempt would refuse to overwrite."""
-    run_dir = Path(run_dir)
-    if run_dir.is_dir() and [p.name for p in run_dir.iterdir()] == [RUN_MARKER]:
-        shutil.rmtree(run_dir)
 
 
 def checkpoint_dir(run_dir: Path) -> Path:
@@ -72,7 +76,7 @@ def checkpoint_dir(run_dir: Path) -> Path:
 def list_checkpoints(run_dir: Path) -> list[Path]:
     """Complete checkpoints of a run, oldest first."""
     root = checkpoint_dir(run_dir)
-    found = [p for p in root.glob("step_*") if p.is_dir() and p.name[5:].isdigit()] if root.is_dir() else []
+    found = [p for p in root.glob("step_*") if p.name[5:].isdigit() and (p / CHECKPOINT_FILES[0]).is_file()]
     return sorted(found, key=lambda p: int(p.name[5:]))
 
 
@@ -102,12 +106,18 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, trainer_state: d
             shutil.rmtree(stale, ignore_errors=True)
         tmp = root / f".tmp_{final.name}_{os.getpid()}"
         tmp.mkdir()
-        _write_synced(tmp / "model.safetensors", lambda p: save_model(model, str(p)))
-        _write_synced(tmp / "trainer.pt", lambda p: torch.save(trainer_state, p))
-        _write_synced(tmp / "config.yaml", config.to_yaml)
+        weights, trainer, config_file = (tmp / name for name in CHECKPOINT_FILES)
+        _write_synced(weights, lambda p: save_model(model, str(p)))
+        _write_synced(trainer, lambda p: torch.save(trainer_state, p))
+        _write_synced(config_file, config.to_yaml)
         os.rename(tmp, final)
     for old in list_checkpoints(run_dir)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+        # Only what the checkpoint wrote: a file a user put there (an evaluation) stays, in a folder that is
+        # no longer a checkpoint (it lacks the weights).
+        for name in CHECKPOINT_FILES:
+            (old / name).unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            old.rmdir()
     return final
 
 

@@ -17,8 +17,9 @@ from functools import partial
 from multiprocessing import get_context
 from pathlib import Path
 
+from .checkpoint import check_run_dir, prepare_run_dir
 from .config import load_train_config
-from .loop import train
+from .loop import build_task, train
 
 
 def default_demo_configs() -> list[Path]:
@@ -66,12 +67,14 @@ def format_table(results: dict[str, dict[str, float]]) -> str:
 
 
 def run_demo(out: Path, config_paths: list[Path] | None = None, jobs: int | None = None,
-             quiet: bool = False) -> Path:
+             quiet: bool = False, force: bool = False) -> Path:
     """Train every config into out/<name>, write out/demo.json and out/demo.png; return the JSON path.
 
+    `out` must be new, or (with `force`) a titans folder, which is replaced once every config has been checked.
     `jobs` runs go at once (default: one per config, at most one per core), each with
     cores // jobs threads unless its config sets `threads`.
     """
+    check_run_dir(out, force, resumable=False)
     configs = [load_train_config(p) for p in (config_paths or default_demo_configs())]
     names = [c.run_name for c in configs]
     if len(set(names)) != len(names):
@@ -80,6 +83,10 @@ def run_demo(out: Path, config_paths: list[Path] | None = None, jobs: int | None
     if len(tasks) != 1:
         raise ValueError(f"demo configs must share one task and training length, got {sorted(tasks)}")
     task, train_length = tasks.pop()
+    if build_task(configs[0]).vocab_size is None:
+        raise ValueError(f"the demo compares exact-match accuracy, which the series task {task} does not have; "
+                         "use token tasks (titans train runs any task)")
+    prepare_run_dir(out, force, resumable=False)
     cores = os.cpu_count() or 1
     jobs = jobs or max(1, min(len(configs), cores))
     configs = [c if c.threads else c.replace(threads=max(1, cores // jobs)) for c in configs]

@@ -30,8 +30,9 @@ from tqdm.auto import tqdm
 from ..models import ForecastHead, TitansEncoder, TitansLM
 from ..tasks import IGNORE_INDEX, Task, TokenBatch, bits_per_byte, exact_match, get_task, token_accuracy
 from ..tasks.base import Batch
-from .checkpoint import latest_checkpoint, load_checkpoint_config, load_trainer_state, load_weights, save_checkpoint
-from .config import OptimConfig, TrainConfig, check_model_fits_task, resume_mismatches
+from .checkpoint import (check_run_dir, latest_checkpoint, load_checkpoint_config, load_trainer_state, load_weights,
+                         prepare_run_dir, save_checkpoint)
+from .config import OptimConfig, TrainConfig, check_model_fits_task, load_train_config, resume_mismatches
 
 TRAIN_STREAM, EVAL_STREAM = 1, 2  # keep the training and evaluation data streams disjoint
 DROPOUT_STREAM = 3  # the global RNG (dropout) is reseeded per (seed, step, rank)
@@ -171,11 +172,16 @@ class MetricsLog:
 
     def __init__(self, run_dir: Path, tensorboard: bool):
         self.path = Path(run_dir) / "metrics.jsonl"
-        self.writer = tensorboard_writer(Path(run_dir) / "tensorboard") if tensorboard else None
+        # The writer creates its folder: it is made with the first record, so that building a trainer writes
+        # nothing into a run directory that may still be refused.
+        self.tensorboard_dir = Path(run_dir) / "tensorboard" if tensorboard else None
+        self.writer: Any | None = None
 
     def write(self, record: dict[str, Any]) -> None:
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
+        if self.tensorboard_dir is not None:
+            self.writer, self.tensorboard_dir = tensorboard_writer(self.tensorboard_dir), None
         if self.writer is not None:
             for key, value in _scalars(record):
                 self.writer.add_scalar(key, value, record["step"])
@@ -193,6 +199,9 @@ class MetricsLog:
                 if i < len(lines) - 1:
                     raise ValueError(f"{self.path}: line {i + 1} is not JSON") from None
                 # the last line was cut off by a kill mid-write: its step is redone after the checkpoint anyway
+        for i, record in enumerate(records):
+            if not (isinstance(record, dict) and type(record.get("step")) is int):
+                raise ValueError(f"{self.path}: line {i + 1} is not a metrics record (a mapping with an integer step)")
         kept = [r for r in records if r["step"] <= step and not r.get("final")]
         tmp = self.path.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
@@ -279,6 +288,11 @@ class Trainer:
         """Continue from the run directory's latest checkpoint; False (start at step 0) when it has none."""
         path = latest_checkpoint(self.run_dir)
         if path is None:
+            run_config = self.run_dir / "config.yaml"  # a run stopped before its first checkpoint: same config
+            mismatches = resume_mismatches(load_train_config(run_config), self.cfg) if run_config.is_file() else []
+            if mismatches:
+                raise ValueError(f"--resume: the config differs from the run's {run_config} in "
+                                 f"{', '.join(mismatches)}")
             if self.metrics is not None:
                 self.metrics.truncate(0)
             return False
@@ -426,9 +440,22 @@ def setup_distributed(device: str = "cpu") -> bool:
     return True
 
 
-def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, quiet: bool = False) -> TrainResult:
-    """Train `cfg` into `run_dir`; with `resume`, continue from its latest checkpoint."""
+def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, quiet: bool = False,
+          force: bool = False) -> TrainResult:
+    """Train `cfg` into a new run directory `run_dir` (an existing titans run there only with `force`, which
+    replaces it); with `resume`, continue that run from its latest checkpoint.
+
+    The run directory is checked first and prepared only once the trainer is built (device, task, lengths
+    checked): a run refused for any reason leaves an existing directory as it was and creates none.
+    """
+    lead = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+    if lead:
+        check_run_dir(run_dir, force, resume)
     trainer = Trainer(cfg, run_dir, quiet=quiet)
+    if lead:
+        prepare_run_dir(run_dir, force, resume)
+    if trainer.distributed:
+        dist.barrier()
     if resume:
         trainer.resume()
     return trainer.run()
