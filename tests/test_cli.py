@@ -131,6 +131,8 @@ def test_eval_of_a_data_task_defaults_to_validation_and_takes_a_split(tmp_path):
     assert losses[None] == losses["val"] == pytest.approx(trained)  # what training reported: the validation split
     assert losses["test"] > 10 * losses["val"]  # test rows lie 50 above anything seen in training
     assert "split" in one_line_error(runner.invoke(app, ["eval", str(out), "--split", "holdout"]))
+    error = one_line_error(runner.invoke(app, ["eval", str(out), "--task", "forecast_sine"]))
+    assert "forecast_sine has 4 features per step but the checkpoint was trained on 2" in error
 
 
 @pytest.mark.parametrize("argv, message", [
