@@ -352,6 +352,28 @@ def test_csv_non_finite_values_name_the_file_column_and_row(tmp_path, cell, colu
         get_task("forecast_csv", path=str(path), columns=columns)
 
 
+def test_csv_numeric_column_with_a_hole_is_named_not_dropped(tmp_path):
+    """A column of numbers with an empty cell or a short row is an error (silently dropping it would train on fewer
+    features); a text column with a stray number is not numeric and is left out, as before."""
+    rows = {"empty": lambda i: f"2020-{i},{i},{'' if i == 5 else i % 3}",
+            "short": lambda i: f"2020-{i},{i}" if i == 5 else f"2020-{i},{i},{i % 3}"}
+    for name, row in rows.items():
+        path = tmp_path / f"{name}.csv"
+        path.write_text("date,a,b\n" + "".join(row(i) + "\n" for i in range(100)))
+        with pytest.raises(ValueError, match=rf"{name}\.csv: numeric column 'b' has no value in data row 6 "):
+            get_task("forecast_csv", path=str(path))
+    text = tmp_path / "text.csv"
+    text.write_text("date,a,flag\n" + "".join(f"2020-{i},{i},{5 if i == 5 else 'yes'}\n" for i in range(100)))
+    assert get_task("forecast_csv", path=str(text)).columns == ["a"]
+
+
+def test_csv_values_too_large_to_standardise_are_refused(tmp_path):
+    path = tmp_path / "big.csv"
+    path.write_text("date,a\n" + "".join(f"2020-{i},{1e307 * (i % 3)}\n" for i in range(100)))
+    with pytest.raises(ValueError, match=r"big\.csv: values too large to standardise"):
+        get_task("forecast_csv", path=str(path))
+
+
 def test_csv_that_is_not_a_text_file_is_named(tmp_path):
     binary = tmp_path / "data.csv.gz"
     binary.write_bytes(b"\x1f\x8b\x08\x00" + bytes(range(256)) * 4)

@@ -101,6 +101,14 @@ def read_numeric_csv(path: Path, columns: Optional[list[str]]) -> tuple[list[str
         except (ValueError, IndexError):
             return None
 
+    def first_hole(col: int) -> Optional[int]:
+        """The first data row with no value in `col` (an empty cell, a short row) when every value there is a
+        number: a numeric column with a hole, not a text column."""
+        cells = [row[col].strip() if col < len(row) else "" for row in body]
+        if not any(cells) or not all(_is_number(cell) for cell in cells if cell):
+            return None
+        return next(r for r, cell in enumerate(cells) if not cell)
+
     if columns is None:
         wanted = [c for c, name in enumerate(header) if name.strip().lower() not in TIME_COLUMNS]
     else:
@@ -113,6 +121,12 @@ def read_numeric_csv(path: Path, columns: Optional[list[str]]) -> tuple[list[str
         bad = [header[c] for c, v in values.items() if v is None]
         if bad:
             raise ValueError(f"CSV file {path}: column(s) {bad} are not numeric in every row")
+    for c, v in values.items():
+        # Dropping a numeric column with a hole (like a text column) would silently train on fewer features.
+        r = first_hole(c) if v is None else None
+        if r is not None:
+            raise ValueError(f"CSV file {path}: numeric column {header[c]!r} has no value in data row {r + 1} "
+                             "(counting from 1 after the header); fill it, or list the columns to use in `columns`")
     numeric = [c for c, v in values.items() if v is not None]
     if not numeric:
         raise ValueError(f"CSV file {path} has no numeric columns (columns: {header})")
@@ -122,6 +136,14 @@ def read_numeric_csv(path: Path, columns: Optional[list[str]]) -> tuple[list[str
             raise ValueError(f"CSV file {path}: column {header[c]!r} has the non-finite value {body[row][c]!r} "
                              f"in data row {row + 1} (counting from 1 after the header)")
     return [header[c] for c in numeric], torch.tensor([values[c] for c in numeric], dtype=torch.float64).T
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 @register
@@ -142,6 +164,9 @@ class ForecastCsv(Task):
         if len(train) < 2 or any(hi <= lo for lo, hi in bounds.values()):
             raise ValueError(f"CSV file {path} is too short ({rows} rows) to split 70/10/20 into train/val/test")
         mean, std = train.mean(0), train.std(0).clamp_min(1e-8)
+        if not (torch.isfinite(mean).all() and torch.isfinite(std).all()):  # squares of values near 1e308 overflow
+            raise ValueError(f"CSV file {path}: values too large to standardise (the training split's mean or "
+                             "standard deviation overflows float64); rescale the data")
         self.data = ((values[slice(*bounds[options.split])] - mean) / std).float()
         self.num_features = len(self.columns)
 
