@@ -210,6 +210,10 @@ def test_save_and_load_pretrained(tmp_path):
         TitansLM.from_pretrained(tmp_path / "m")
     with pytest.raises(ValueError, match="missing"):
         TitansLM.from_pretrained(tmp_path / "nowhere")
+    config = tmp_path / "m" / "config.json"
+    config.write_text(config.read_text().replace('"dim": 16', '"dim": 16, "dim": 32'))
+    with pytest.raises(ValueError, match=r"config.json is not valid JSON: duplicate key\(s\) \['dim'\]"):
+        TitansLM.from_pretrained(tmp_path / "m")
 
 
 @pytest.mark.parametrize(

@@ -91,6 +91,15 @@ def sample_next(logits: Tensor, temperature: float = 1.0, top_k: Optional[int] =
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    """A JSON object whose keys are all different (json keeps the last of two silently)."""
+    keys = [key for key, _ in pairs]
+    duplicates = sorted({key for key in keys if keys.count(key) > 1})
+    if duplicates:
+        raise ValueError(f"duplicate key(s) {duplicates}")
+    return dict(pairs)
+
+
 class TitansLM(nn.Module):
     """Language model over tokens for every variant: `TitansLM(TitansConfig(variant="mac", ...))`."""
 
@@ -166,9 +175,10 @@ class TitansLM(nn.Module):
             if not p.is_file():
                 raise ValueError(f"{directory} is not a saved model: {p.name} is missing")
         try:
-            config = TitansConfig.from_dict(json.loads(config_path.read_text()))
-        except json.JSONDecodeError as err:
+            data = json.loads(config_path.read_text(), object_pairs_hook=_unique_keys)
+        except ValueError as err:  # malformed JSON, or a key given twice
             raise ValueError(f"{config_path} is not valid JSON: {err}") from None
+        config = TitansConfig.from_dict(data)
         try:
             with safe_open(str(weights_path), framework="pt") as f:  # the saved dtype, from an empty slice
                 dtype = f.get_slice(next(iter(f.keys())))[:0].dtype
