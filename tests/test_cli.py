@@ -1,6 +1,7 @@
 """The command line: SIGKILL + resume end to end, train/eval/generate, one-line errors, no overwriting."""
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,6 +15,7 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from titans.cli import app, main
+from titans.tasks.lm import file_split as lm_split
 from titans.train.checkpoint import checkpoint_step, latest_checkpoint
 
 TINY = Path(__file__).parent / "train" / "tiny.yaml"
@@ -178,7 +180,7 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path, monkeypatch):
     assert not (tmp_path / "runs").exists()
 
 
-def test_evaluations_are_kept_apart_and_survive_pruning(tmp_path):
+def test_evaluations_are_kept_apart_and_survive_pruning(tmp_path, monkeypatch):
     """eval's default file sits in the run directory and is named by task, split, seed and step; resuming (which
     prunes old checkpoints) leaves it, and a file put into a pruned checkpoint folder stays too."""
     out = tmp_path / "run"
@@ -197,6 +199,32 @@ def test_evaluations_are_kept_apart_and_survive_pruning(tmp_path):
     assert result.exit_code == 0, result.output
     assert all(p.is_file() for p in written) and mine.read_text() == "mine"
     assert checkpoint_step(latest_checkpoint(out)) == 6 and latest_checkpoint(out) != mine.parent
+
+    step = latest_checkpoint(out)
+    monkeypatch.chdir(step)  # however the checkpoint is written, the default file is the run directory's
+    result = runner.invoke(app, ["eval", ".", "--batches", "1"])
+    assert result.exit_code == 0 and result.stdout.splitlines()[-1] == str(out / "eval_passkey_step6.json")
+    best = out / "checkpoints" / "best"  # a checkpoint folder the user named: its results go into it
+    shutil.copytree(step, best)
+    result = runner.invoke(app, ["eval", str(best), "--batches", "1"])
+    assert result.exit_code == 0 and result.stdout.splitlines()[-1] == str(best / "eval_passkey.json")
+
+
+def test_force_keeps_the_old_run_when_the_training_split_cannot_serve(tmp_path):
+    """lm_bytes splits files by a hash of their path: a pattern matching one validation file leaves the training
+    split empty, which --force must find before it deletes the old run."""
+    for i in range(40):
+        (tmp_path / f"f{i}.txt").write_text("some text to model, " * 40)
+    val_file = next(f"f{i}.txt" for i in range(40) if lm_split(f"f{i}.txt", 0.5) == "val")
+    lm = ["task.name=lm_bytes", f"task.options={{root: {tmp_path}, pattern: '*.txt', val_fraction: 0.5}}",
+          "model.vocab_size=256", "task.train_length=24", "task.eval_lengths=[24]", "steps=1", "--quiet"]
+    out = tmp_path / "run"
+    assert runner.invoke(app, ["train", str(TINY), *lm, "--out", str(out)]).exit_code == 0
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    one_file = [*lm[:1], f"task.options={{root: {tmp_path}, pattern: {val_file}, val_fraction: 0.5}}", *lm[2:]]
+    assert "train split" in one_line_error(runner.invoke(app, ["train", str(TINY), *one_file, "--out", str(out),
+                                                               "--force"]))
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
 
 
 def test_resume_checks_the_config_before_the_first_checkpoint_and_the_metrics_log(tmp_path):

@@ -70,7 +70,7 @@ def train(
     from .train import train as run_training
 
     cfg = load_train_config(config, overrides or [])
-    run_dir = out or Path("runs") / cfg.run_name
+    run_dir = out or cfg.run_dir_in(Path("runs"))
     distributed = setup_distributed(cfg.device)
     lead = not distributed or dist.get_rank() == 0
     try:
@@ -144,8 +144,9 @@ def eval_command(
     if eval_task.num_features != trained_task.num_features:
         raise ValueError(f"--task {eval_task.name} has {eval_task.num_features} features per step but the checkpoint "
                          f"was trained on {trained_task.num_features}")
+    batches, batch_size = batches or cfg.eval_batches, batch_size or cfg.eval_batch_size
     results = evaluate(model, eval_task, parse_lengths(lengths) if lengths else cfg.task.eval_lengths,
-                       batches or cfg.eval_batches, batch_size or cfg.eval_batch_size, seed, device=model_device(model))
+                       batches, batch_size, seed, device=model_device(model))
     names = list(next(iter(results.values())))
     typer.echo(f"{'length':>8} " + " ".join(f"{name:>14}" for name in names))
     for length, metrics in results.items():
@@ -153,21 +154,25 @@ def eval_command(
     split_name = getattr(eval_task.options, "split", None)
     out = out or default_eval_path(path, eval_task.name, split if split else None, seed)
     out.write_text(json.dumps({"task": eval_task.name, "split": split_name,
-                               "checkpoint": str(path), "seed": seed,
+                               "checkpoint": str(path), "seed": seed, "batches": batches, "batch_size": batch_size,
                                "results": {str(k): v for k, v in results.items()}}, indent=2))
     typer.echo(str(out))
 
 
 def default_eval_path(checkpoint: Path, task: str, split: str | None, seed: int) -> Path:
-    """Where `titans eval` writes by default: beside the run (checkpoints are pruned as training goes on), named
-    by everything that selects the evaluation, so that evaluations of one checkpoint do not overwrite each other."""
-    from .train.checkpoint import RUN_MARKER, checkpoint_step
+    """Where `titans eval` writes by default: beside the run (checkpoints are pruned as training goes on), named by
+    task, split, seed and step, so that evaluations of one checkpoint on other data do not overwrite each other
+    (one with other lengths or batches replaces the last: the file records them)."""
+    from .train.checkpoint import RUN_MARKER
 
+    checkpoint = checkpoint.resolve()  # `.` or `step_N` alone have no parents to look at
     run_dir = checkpoint.parent.parent  # run/checkpoints/step_N
     name = f"eval_{task}" + (f"_{split}" if split else "") + (f"_seed{seed}" if seed else "")
-    if checkpoint.parent.name == "checkpoints" and (run_dir / RUN_MARKER).is_file():
-        return run_dir / f"{name}_step{checkpoint_step(checkpoint)}.json"
-    return checkpoint / f"{name}.json"  # a checkpoint folder on its own
+    step = checkpoint.name[5:]
+    if checkpoint.name.startswith("step_") and step.isdigit() and checkpoint.parent.name == "checkpoints" \
+            and (run_dir / RUN_MARKER).is_file():
+        return run_dir / f"{name}_step{int(step)}.json"
+    return checkpoint / f"{name}.json"  # a checkpoint folder on its own, or one the user named
 
 
 def model_device(model: Any):

@@ -146,6 +146,9 @@ def test_a_state_from_another_batch_or_size_is_refused(variant):
         tiny_model(variant)(tokens(3, 3), state)
     with pytest.raises(ValueError, match="has shape .*, expected .*another size"):
         tiny_model(variant, dim=32)(tokens(2, 3), state)
+    if variant in ("mag", "mal"):  # the prefix keys are the only trace of n_persistent in their state
+        with pytest.raises(ValueError, match="holds 2 persistent-token keys, this model has 3"):
+            tiny_model(variant, n_persistent=3)(tokens(2, 3), state)
 
 
 def test_a_state_file_records_its_model(tmp_path):

@@ -2,6 +2,7 @@
 
 import json
 
+import torch
 import yaml
 from typer.testing import CliRunner
 
@@ -58,6 +59,11 @@ def test_demo_writes_table_plot_and_json(tmp_path, tiny_config):
         cfg["task"] = {"name": "forecast_sine", "train_length": 24, "eval_lengths": [24]}
         path.write_text(yaml.safe_dump(cfg))
     refused([a for c in series for a in ("--configs", str(c))], "series task forecast_sine")
+    if not torch.cuda.is_available():  # what only a run's trainer checks is checked before the old output goes
+        on_gpu = [tiny_demo_config(tmp_path, tiny_config, f"gpu-{v}", v) for v in ("lmm", "swa")]
+        for path in on_gpu:
+            path.write_text(path.read_text() + "device: cuda\n")
+        refused([a for c in on_gpu for a in ("--configs", str(c))], "cuda")
     fresh = tmp_path / "never"
     result = CliRunner().invoke(app, ["demo", "--out", str(fresh), "--configs", str(tmp_path / "missing.yaml")])
     assert result.exit_code == 2 and not fresh.exists()  # a refused demo leaves no folder to refuse later

@@ -32,8 +32,18 @@ def build_window_attention(cfg: TitansConfig) -> Attention:
 
 
 def with_prefix(x: Tensor, persistent: Optional[nn.Module], state: Any) -> tuple[Tensor, int]:
-    """x̃ = [p ‖ x] at the start of a stream (state None), else x; returns (x̃, prefix length)."""
-    if persistent is None or state is not None:
+    """x̃ = [p ‖ x] at the start of a stream (state None), else x; returns (x̃, prefix length).
+
+    A continued stream's state (MAG, MAL) must hold as many prefix keys as this model has persistent tokens: a
+    state from a model with another `n_persistent` has the right shapes everywhere else."""
+    if state is not None:
+        held = getattr(state.attention, "prefix_k", None)  # not a KVCache: the attention layer says so
+        expected = len(persistent) if persistent is not None else 0
+        if isinstance(held, Tensor) and held.dim() == 4 and held.shape[2] != expected:
+            raise ValueError(f"state.attention holds {held.shape[2]} persistent-token keys, this model has "
+                             f"{expected} (a state from a model with another n_persistent?)")
+        return x, 0
+    if persistent is None:
         return x, 0
     return persistent.prepend(x), len(persistent)
 

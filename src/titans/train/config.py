@@ -105,9 +105,6 @@ class TrainConfig(Config):
     tensorboard: bool = True  # also write run_dir/tensorboard when the tensorboard package is installed
 
     def validate(self) -> None:
-        if self.name and not RUN_NAME.fullmatch(self.name):
-            raise ValueError(f"name must be letters, digits, '-', '_' and '.', not starting with '.' (it names the "
-                             f"run directory), got {self.name!r}")
         if not 0 <= self.seed <= MAX_SEED:
             raise ValueError(f"seed must be in [0, 2**63 - 1], got {self.seed}")
         for name in ("steps", "batch_size", "eval_batches", "eval_batch_size", "keep_checkpoints", "log_every"):
@@ -128,6 +125,14 @@ class TrainConfig(Config):
     @property
     def run_name(self) -> str:
         return self.name or self.model.variant
+
+    def run_dir_in(self, parent: Path) -> Path:
+        """parent/<run name>: checked where the name becomes a directory (not in `validate`, so a checkpoint whose
+        config carries any name still loads), since `../x` or `/x` would put the run outside `parent`."""
+        if not RUN_NAME.fullmatch(self.run_name):
+            raise ValueError(f"name must be letters, digits, '-', '_' and '.', not starting with '.' (it names the "
+                             f"run directory in {parent}), got {self.run_name!r}; or pick the directory with --out")
+        return Path(parent) / self.run_name
 
 
 def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from .checkpoint import check_run_dir, prepare_run_dir
 from .config import load_train_config
-from .loop import build_task, train
+from .loop import build_task, checked_tasks, resolve_device, train
 
 
 def default_demo_configs() -> list[Path]:
@@ -76,6 +76,7 @@ def run_demo(out: Path, config_paths: list[Path] | None = None, jobs: int | None
     """
     check_run_dir(out, force, resumable=False)
     configs = [load_train_config(p) for p in (config_paths or default_demo_configs())]
+    run_dirs = [c.run_dir_in(out) for c in configs]
     names = [c.run_name for c in configs]
     if len(set(names)) != len(names):
         raise ValueError(f"demo configs need distinct names, got {names}")
@@ -86,17 +87,20 @@ def run_demo(out: Path, config_paths: list[Path] | None = None, jobs: int | None
     if build_task(configs[0]).vocab_size is None:
         raise ValueError(f"the demo compares exact-match accuracy, which the series task {task} does not have; "
                          "use token tasks (titans train runs any task)")
+    for cfg in configs:  # what each run's trainer checks, before the old output is replaced
+        resolve_device(cfg.device)
+        checked_tasks(cfg)
     prepare_run_dir(out, force, resumable=False)
     cores = os.cpu_count() or 1
     jobs = jobs or max(1, min(len(configs), cores))
     configs = [c if c.threads else c.replace(threads=max(1, cores // jobs)) for c in configs]
     if jobs == 1:
-        runs = [train(cfg, out / cfg.run_name, quiet=quiet) for cfg in configs]
+        runs = [train(cfg, run_dir, quiet=quiet) for cfg, run_dir in zip(configs, run_dirs)]
     else:
         if not quiet:
             print(f"training {', '.join(names)} side by side ({jobs} processes)", flush=True)
         with ProcessPoolExecutor(jobs, mp_context=get_context("spawn")) as pool:
-            runs = list(pool.map(partial(train, quiet=True), configs, [out / cfg.run_name for cfg in configs]))
+            runs = list(pool.map(partial(train, quiet=True), configs, run_dirs))
     results, details = {}, {}
     for cfg, run in zip(configs, runs):
         results[cfg.run_name] = {str(k): v["accuracy"] for k, v in run.evaluation.items()}

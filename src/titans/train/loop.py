@@ -74,6 +74,18 @@ def build_task(cfg: TrainConfig) -> Task:
     return get_task(cfg.task.name, **cfg.task.options)
 
 
+def checked_tasks(cfg: TrainConfig) -> tuple[Task, Task]:
+    """The training task and its held-out split (the validation split of a task read from data), each sampled once
+    at every length the run uses: an empty split, or a length a split cannot hold, fails now, before a run
+    directory is touched, not after training."""
+    task = build_task(cfg)
+    eval_task = task.held_out()
+    task.sample(1, cfg.task.train_length, torch.Generator().manual_seed(0))
+    for length in sorted({cfg.task.train_length, *cfg.task.eval_lengths}):
+        eval_task.sample(1, length, torch.Generator().manual_seed(0))
+    return task, eval_task
+
+
 def build_model(cfg: TrainConfig, task: Task) -> nn.Module:
     """A TitansLM for token tasks; a TitansEncoder with a next-step forecasting head for series tasks."""
     check_model_fits_task(cfg.model, task)
@@ -250,10 +262,7 @@ class Trainer:
             torch.set_num_threads(cfg.threads)
         self.device = resolve_device(cfg.device, int(os.environ.get("LOCAL_RANK", self.rank)))
         torch.manual_seed(cfg.seed)
-        self.task = build_task(cfg)
-        self.eval_task = self.task.held_out()  # the validation split of a task read from data
-        for length in sorted({cfg.task.train_length, *cfg.task.eval_lengths}):  # fail now, not after training
-            self.eval_task.sample(1, length, torch.Generator().manual_seed(0))
+        self.task, self.eval_task = checked_tasks(cfg)
         self.model = build_model(cfg, self.task).to(self.device, getattr(torch, cfg.dtype))
         self.train_model: nn.Module = self.model
         if self.distributed:
