@@ -225,6 +225,10 @@ def test_force_keeps_the_old_run_when_the_training_split_cannot_serve(tmp_path):
     assert "train split" in one_line_error(runner.invoke(app, ["train", str(TINY), *one_file, "--out", str(out),
                                                                "--force"]))
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    # A prompt argument that is not UTF-8 reaches Python with surrogates: a byte-level model takes its bytes.
+    result = runner.invoke(app, ["generate", str(out), "--prompt", "ab\udcff", "--max-new-tokens", "3",
+                                 "--temperature", "0"])
+    assert result.exit_code == 0, result.output
 
 
 def test_resume_checks_the_config_before_the_first_checkpoint_and_the_metrics_log(tmp_path):
