@@ -175,6 +175,9 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path, monkeypatch):
     assert "too long for the val split" in error  # --force replaces a run only once the new one is checked
     assert sorted(p.relative_to(tmp_path) for p in (tmp_path / "short-run").rglob("*")) == before
     assert "not a titans run directory" in one_line_error(runner.invoke(app, ["train", str(TINY), "--resume"]))
+    huge = ["model.vocab_size=16777216", "model.dim=16777216", "--out", "huge"]  # 1 PiB: beyond any address space
+    assert "out of memory" in one_line_error(runner.invoke(app, ["train", str(TINY), *huge]))
+    assert not (tmp_path / "huge").exists()
     assert "neither a checkpoint" in one_line_error(runner.invoke(app, ["eval", str(tmp_path)]))
     assert "does not exist" in one_line_error(runner.invoke(app, ["generate", "missing", "--prompt", "1"]))
     assert not (tmp_path / "runs").exists()
