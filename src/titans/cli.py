@@ -163,15 +163,13 @@ def default_eval_path(checkpoint: Path, task: str, split: str | None, seed: int)
     """Where `titans eval` writes by default: beside the run (checkpoints are pruned as training goes on), named by
     task, split, seed and step, so that evaluations of one checkpoint on other data do not overwrite each other
     (one with other lengths or batches replaces the last: the file records them)."""
-    from .train.checkpoint import RUN_MARKER
+    from .train.checkpoint import RUN_MARKER, checkpoint_step, list_checkpoints
 
     checkpoint = checkpoint.resolve()  # `.` or `step_N` alone have no parents to look at
     run_dir = checkpoint.parent.parent  # run/checkpoints/step_N
     name = f"eval_{task}" + (f"_{split}" if split else "") + (f"_seed{seed}" if seed else "")
-    step = checkpoint.name[5:]
-    if checkpoint.name.startswith("step_") and step.isdigit() and checkpoint.parent.name == "checkpoints" \
-            and (run_dir / RUN_MARKER).is_file():
-        return run_dir / f"{name}_step{int(step)}.json"
+    if (run_dir / RUN_MARKER).is_file() and checkpoint in list_checkpoints(run_dir):
+        return run_dir / f"{name}_step{checkpoint_step(checkpoint)}.json"
     return checkpoint / f"{name}.json"  # a checkpoint folder on its own, or one the user named
 
 

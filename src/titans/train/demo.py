@@ -19,7 +19,7 @@ from pathlib import Path
 
 from .checkpoint import check_run_dir, prepare_run_dir
 from .config import load_train_config
-from .loop import build_task, checked_tasks, resolve_device, train
+from .loop import checked_tasks, resolve_device, train
 
 
 def default_demo_configs() -> list[Path]:
@@ -84,12 +84,11 @@ def run_demo(out: Path, config_paths: list[Path] | None = None, jobs: int | None
     if len(tasks) != 1:
         raise ValueError(f"demo configs must share one task and training length, got {sorted(tasks)}")
     task, train_length = tasks.pop()
-    if build_task(configs[0]).vocab_size is None:
-        raise ValueError(f"the demo compares exact-match accuracy, which the series task {task} does not have; "
-                         "use token tasks (titans train runs any task)")
     for cfg in configs:  # what each run's trainer checks, before the old output is replaced
         resolve_device(cfg.device)
-        checked_tasks(cfg)
+        if checked_tasks(cfg)[0].vocab_size is None:
+            raise ValueError(f"the demo compares exact-match accuracy, which the series task {task} does not have; "
+                             "use token tasks (titans train runs any task)")
     prepare_run_dir(out, force, resumable=False)
     cores = os.cpu_count() or 1
     jobs = jobs or max(1, min(len(configs), cores))

@@ -32,7 +32,7 @@ from ..tasks import IGNORE_INDEX, Task, TokenBatch, bits_per_byte, exact_match, 
 from ..tasks.base import Batch
 from .checkpoint import (check_run_dir, latest_checkpoint, load_checkpoint_config, load_trainer_state, load_weights,
                          prepare_run_dir, save_checkpoint)
-from .config import OptimConfig, TrainConfig, check_model_fits_task, load_train_config, resume_mismatches
+from .config import OptimConfig, TrainConfig, check_model_fits_task, resume_mismatches
 
 TRAIN_STREAM, EVAL_STREAM = 1, 2  # keep the training and evaluation data streams disjoint
 DROPOUT_STREAM = 3  # the global RNG (dropout) is reseeded per (seed, step, rank)
@@ -206,14 +206,14 @@ class MetricsLog:
         records = []
         for i, line in enumerate(lines):
             try:
-                records.append(json.loads(line))
+                record = json.loads(line)
             except json.JSONDecodeError:
                 if i < len(lines) - 1:
                     raise ValueError(f"{self.path}: line {i + 1} is not JSON") from None
-                # the last line was cut off by a kill mid-write: its step is redone after the checkpoint anyway
-        for i, record in enumerate(records):
+                continue  # the last line was cut off by a kill mid-write: its step is redone after the checkpoint
             if not (isinstance(record, dict) and type(record.get("step")) is int):
                 raise ValueError(f"{self.path}: line {i + 1} is not a metrics record (a mapping with an integer step)")
+            records.append(record)
         kept = [r for r in records if r["step"] <= step and not r.get("final")]
         tmp = self.path.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
@@ -296,18 +296,17 @@ class Trainer:
     def resume(self) -> bool:
         """Continue from the run directory's latest checkpoint; False (start at step 0) when it has none."""
         path = latest_checkpoint(self.run_dir)
-        if path is None:
-            run_config = self.run_dir / "config.yaml"  # a run stopped before its first checkpoint: same config
-            mismatches = resume_mismatches(load_train_config(run_config), self.cfg) if run_config.is_file() else []
+        # The config resumes the checkpoint's or, in a run stopped before its first checkpoint, the run's own.
+        saved = path if path is not None else self.run_dir
+        if path is not None or (saved / "config.yaml").is_file():
+            mismatches = resume_mismatches(load_checkpoint_config(saved), self.cfg)
             if mismatches:
-                raise ValueError(f"--resume: the config differs from the run's {run_config} in "
+                raise ValueError(f"--resume: the config differs from {saved / 'config.yaml'} in "
                                  f"{', '.join(mismatches)}")
+        if path is None:
             if self.metrics is not None:
                 self.metrics.truncate(0)
             return False
-        mismatches = resume_mismatches(load_checkpoint_config(path), self.cfg)
-        if mismatches:
-            raise ValueError(f"--resume: the config differs from checkpoint {path} in {', '.join(mismatches)}")
         load_weights(path, self.model)
         state = load_trainer_state(path)
         try:
