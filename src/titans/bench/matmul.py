@@ -1,9 +1,10 @@
 """What bounds the memory's chunk matmuls: an n-row product against a state matrix, from cache and from DRAM.
 
 The fused memory path spends most of a training step in products of a chunk's n rows (n = chunk size) with
-state matrices `[batch, d_in, d_out]` (README, "Not met yet"). This measures one such `bmm` in both
+state matrices `[batch, d_in, d_out]` (README, "Speed and memory"). This measures one such product `x W` in both
 orientations of the state, once with a single matrix reused (it stays in cache) and once cycling through
-enough distinct matrices that each comes from DRAM, beside the rate at which the machine streams memory.
+enough distinct matrices that each comes from DRAM, beside the rate at which the machine streams memory; each
+with ATen's `bmm` (MKL) and, where they are built, with our kernel (`state_ops.xw`, what the fused scan uses).
 If the DRAM product reads far fewer GiB/s than the stream, it waits on latency, not on bandwidth.
 """
 
@@ -18,10 +19,13 @@ from dataclasses import dataclass
 
 import torch
 
+from ..memory import state_ops
+
 
 @dataclass
 class MatmulPoint:
     shape: str  # "[n×K]·[K×N]"
+    implementation: str  # "ATen bmm" | "titans kernel"
     source: str  # "cache" | "DRAM"
     micros: float  # per product, whole batch
     gflops: float
@@ -39,8 +43,9 @@ def _best_seconds(fn: Callable[[], None], calls: int, repeats: int) -> float:
     return best
 
 
-def _bmm_next(x: torch.Tensor, supply: Iterator[torch.Tensor], out: torch.Tensor) -> None:
-    torch.bmm(x, next(supply), out=out)
+def _product_next(product: Callable[..., torch.Tensor], x: torch.Tensor, supply: Iterator[torch.Tensor],
+                  out: torch.Tensor) -> None:
+    product(x, next(supply), out=out)
 
 
 def stream_gib_s(mib: int, repeats: int) -> float:
@@ -49,8 +54,17 @@ def stream_gib_s(mib: int, repeats: int) -> float:
     return mib / 1024 / _best_seconds(lambda: x.sum(), 1, repeats)
 
 
+def implementations(rows: int, d_in: int, d_out: int) -> dict[str, Callable[..., torch.Tensor]]:
+    """ATen's bmm, and our kernel where it serves these shapes (float32, widths multiples of 16, ≥ 8 rows)."""
+    found: dict[str, Callable[..., torch.Tensor]] = {"ATen bmm": torch.bmm}
+    if state_ops.kernels() is not None and d_in % 16 == 0 and d_out % 16 == 0 and rows >= state_ops.MIN_ROWS:
+        found["titans kernel"] = state_ops.xw
+    return found
+
+
 def measure(rows: int, d_in: int, d_out: int, batch: int, dram_mib: int, repeats: int) -> list[MatmulPoint]:
-    """`[batch, rows, K]·[batch, K, N]` for (K, N) = (d_in, d_out) and (d_out, d_in), from cache and DRAM."""
+    """`[batch, rows, K]·[batch, K, N]` for (K, N) = (d_in, d_out) and (d_out, d_in), from cache and DRAM, with
+    each implementation."""
     points = []
     state_bytes = batch * d_in * d_out * 4
     count = max(2, -(-dram_mib * 2**20 // state_bytes))  # enough distinct states to overflow the caches
@@ -58,17 +72,19 @@ def measure(rows: int, d_in: int, d_out: int, batch: int, dram_mib: int, repeats
         states = [torch.randn(batch, K, N) for _ in range(count)]
         x = torch.randn(batch, rows, K)
         out = torch.empty(batch, rows, N)
-        # cache: the same state every call; DRAM: each call the next of `count` states
-        for source, supply, calls in (("cache", itertools.repeat(states[0]), 8),
-                                      ("DRAM", itertools.cycle(states), count)):
-            seconds = _best_seconds(functools.partial(_bmm_next, x, supply, out), calls, repeats)
-            points.append(MatmulPoint(f"[{rows}×{K}]·[{K}×{N}]", source, seconds * 1e6,
-                                      2 * batch * rows * K * N / seconds / 1e9, state_bytes / seconds / 2**30))
+        for name, product in implementations(rows, d_in, d_out).items():
+            # cache: the same state every call; DRAM: each call the next of `count` states
+            for source, supply, calls in (("cache", itertools.repeat(states[0]), 8),
+                                          ("DRAM", itertools.cycle(states), count)):
+                seconds = _best_seconds(functools.partial(_product_next, product, x, supply, out), calls, repeats)
+                points.append(MatmulPoint(f"[{rows}×{K}]·[{K}×{N}]", name, source, seconds * 1e6,
+                                          2 * batch * rows * K * N / seconds / 1e9, state_bytes / seconds / 2**30))
     return points
 
 
 def format_table(points: list[MatmulPoint]) -> str:
-    lines = ["| product (each batch element) | state from | µs per batch | GFLOP/s | state read GiB/s |",
-             "|---|---|---:|---:|---:|"]
-    lines += [f"| {p.shape} | {p.source} | {p.micros:.0f} | {p.gflops:.0f} | {p.state_gib_s:.1f} |" for p in points]
+    lines = ["| product (each batch element) | implementation | state from | µs per batch | GFLOP/s | state read GiB/s |",
+             "|---|---|---|---:|---:|---:|"]
+    lines += [f"| {p.shape} | {p.implementation} | {p.source} | {p.micros:.0f} | {p.gflops:.0f} | {p.state_gib_s:.1f} |"
+              for p in points]
     return "\n".join(lines)

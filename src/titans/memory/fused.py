@@ -33,6 +33,7 @@ from torch import Tensor
 from .checks import without_autocast
 from .decays import chunk_decays
 from .mlp import ACTIVATION_VJPS, ACTIVATIONS, forward_cached, grad_norm_scale, token_grad_sq_norm
+from .state_ops import combine, xw, xwt
 
 State = list[Tensor]  # [W_1, S_1, W_2, S_2, …], each [BH, d_in, d_out]
 
@@ -117,15 +118,6 @@ def _fresh_like(template: State) -> State:
     return [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in template]
 
 
-def _flat_dot(x: Tensor, y: Tensor) -> Tensor:
-    """Per-batch ⟨x_b, y_b⟩ of two `[BH, r, c]` tensors. Large states: BLAS dots, no elementwise temporary (a
-    [1, N] @ [N, 1] bmm is 20× slower). Small ones (under 64k elements each): one product and a sum beat a
-    Python loop of BH dots."""
-    if x[0].numel() < 1 << 16:
-        return (x * y).sum((1, 2))
-    return torch.stack([torch.dot(a.reshape(-1), b.reshape(-1)) for a, b in zip(x, y)])
-
-
 # --- one chunk, forward ------------------------------------------------------------------------------
 
 
@@ -155,12 +147,12 @@ def _chunk_forward(
     W, S = state[0::2], state[1::2]
     depth = len(W)
     # Keys at the chunk's starting weights: the associative loss ℓ_t = ‖M(k_t) − v_t‖² (eq. 12) and its δ.
-    out, a, p = forward_cached(k, W, cfg.activation, cfg.residual)
+    out, a, p = forward_cached(k, W, cfg.activation, cfg.residual, matmul=xw)
     delta: list[Tensor] = [None] * depth  # type: ignore[list-item]
     m: list[Tensor] = [None] * depth  # type: ignore[list-item]
     delta[-1] = 2.0 * (out - v)
     for i in range(depth - 2, -1, -1):
-        m[i] = torch.bmm(delta[i + 1], W[i + 1].transpose(1, 2))
+        m[i] = xwt(delta[i + 1], W[i + 1])
         delta[i] = sigma_vjp(m[i], p[i])
     scale = sq_norm = None
     if cfg.max_grad_norm is not None:
@@ -175,8 +167,8 @@ def _chunk_forward(
     h = q
     for i in range(depth):
         h_list.append(h)
-        hW.append(torch.bmm(h, W[i]))
-        hS.append(torch.bmm(h, S[i]))
+        hW.append(xw(h, W[i]))
+        hS.append(xw(h, S[i]))
         r = hW[i] * beta
         r.addcmul_(hS[i], c)
         r.baddbmm_(C * torch.bmm(h, a[i].transpose(1, 2)), delta[i], alpha=-1.0)
@@ -189,14 +181,10 @@ def _chunk_forward(
 
     if new_state is not None:
         # Last row (step 4): W ← β_n W⁰ + c_n S⁰ − aᵀ diag(C[n,:]) δ;  S ← e_n S⁰ − aᵀ diag(θ ⊙ E[n,:]) δ.
-        beta_n, c_n, e_n = (t.view(-1, 1, 1) for t in (dec.beta[:, -1], dec.c[:, -1], dec.e_last))
         u_w, u_m = C[:, -1, :].unsqueeze(-1), (theta * dec.E_last).unsqueeze(-1)
         for i in range(depth):
-            W_new, S_new = new_state[2 * i], new_state[2 * i + 1]
-            torch.mul(W[i], beta_n, out=W_new).addcmul_(S[i], c_n)
-            W_new.baddbmm_(a[i].transpose(1, 2), u_w * delta[i], alpha=-1.0)
-            torch.mul(S[i], e_n, out=S_new)
-            S_new.baddbmm_(a[i].transpose(1, 2), u_m * delta[i], alpha=-1.0)
+            combine(new_state[2 * i], W[i], dec.beta[:, -1], a[i], u_w * delta[i], -1.0, S=S[i], c=dec.c[:, -1])
+            combine(new_state[2 * i + 1], S[i], dec.e_last, a[i], u_m * delta[i], -1.0)
     return ChunkCache(a, p, m, delta, h_list, hW, hS, r_list, theta, scale, sq_norm, C)
 
 
@@ -231,7 +219,6 @@ def _chunk_backward(
     a, p, m, delta, h, hW, hS, r = cache.a, cache.p, cache.m, cache.delta, cache.h, cache.hW, cache.hS, cache.r
     C, th = cache.C, cache.theta
     depth = len(W)
-    beta_n, c_n, e_n = (t.view(-1, 1, 1) for t in (dec.beta[:, -1], dec.c[:, -1], dec.e_last))
     u_w, u_m = C[:, -1, :], th * dec.E_last
 
     # 1. State update.
@@ -242,17 +229,15 @@ def _chunk_backward(
     d_c_n = torch.zeros_like(dec.e_last)
     d_e_n = torch.zeros_like(dec.e_last)
     for i in range(depth):
-        a_dW, a_dS = torch.bmm(a[i], dW_new[i]), torch.bmm(a[i], dS_new[i])  # [n, d_out]
+        a_dW, a_dS = xw(a[i], dW_new[i]), xw(a[i], dS_new[i])  # [n, d_out]
         d_delta.append(-(u_w.unsqueeze(-1) * a_dW + u_m.unsqueeze(-1) * a_dS))
         d_u_w -= (a_dW * delta[i]).sum(-1)
         d_u_m -= (a_dS * delta[i]).sum(-1)
-        d_a_i = torch.bmm(u_w.unsqueeze(-1) * delta[i], dW_new[i].transpose(1, 2))
-        d_a.append(d_a_i.baddbmm_(u_m.unsqueeze(-1) * delta[i], dS_new[i].transpose(1, 2)).neg_())
-        d_beta_n += _flat_dot(W[i], dW_new[i])
-        d_c_n += _flat_dot(S[i], dW_new[i])
-        d_e_n += _flat_dot(S[i], dS_new[i])
-        torch.mul(dW_new[i], beta_n, out=dW[i])
-        torch.mul(dS_new[i], e_n, out=dS[i]).addcmul_(dW_new[i], c_n)
+        d_a_i = xwt(u_w.unsqueeze(-1) * delta[i], dW_new[i])
+        d_a.append(xwt(u_m.unsqueeze(-1) * delta[i], dS_new[i], out=d_a_i, accumulate=True).neg_())
+    # ∂W⁰ = β_n ∂W' + (rank-n terms) and ∂S⁰ = e_n ∂S' + c_n ∂W' + (rank-n terms) are each written in one pass
+    # below (`combine`), once their rank-n terms are known; the same passes give ∂β_n = Σ⟨W, ∂W'⟩,
+    # ∂c_n = Σ⟨S, ∂W'⟩ and ∂e_n = Σ⟨S, ∂S'⟩.
 
     # 2. Queries, last layer first.
     d_beta = torch.zeros_like(dec.beta)
@@ -272,8 +257,10 @@ def _chunk_backward(
         g_w, g_s = beta * d_r, c * d_r
         w_left[i].append(h[i])
         w_right[i].append(g_w)
-        dS[i].baddbmm_(h[i].transpose(1, 2), g_s)
-        d_h = torch.bmm(g_w, W[i].transpose(1, 2)).baddbmm_(g_s, S[i].transpose(1, 2))
+        dots = combine(dS[i], dS_new[i], dec.e_last, h[i], g_s, 1.0, S=dW_new[i], c=dec.c[:, -1], dots_with=S[i])
+        d_e_n += dots[:, 0]
+        d_c_n += dots[:, 1]
+        d_h = xwt(g_s, S[i], out=xwt(g_w, W[i]), accumulate=True)
         # r −= (C ⊙ h aᵀ) δ
         h_a = torch.bmm(h[i], a[i].transpose(1, 2))
         r_d = torch.bmm(d_r, delta[i].transpose(1, 2))  # dr_t · δ_s
@@ -310,7 +297,7 @@ def _chunk_backward(
         d_p[i] = d_delta[i] * m[i] * sigma_grad2(p[i])
         w_left[i + 1].append(d_m)
         w_right[i + 1].append(delta[i + 1])
-        d_delta[i + 1].baddbmm_(d_m, W[i + 1])
+        xw(d_m, W[i + 1], out=d_delta[i + 1], accumulate=True)
     d_out = 2.0 * d_delta[-1]  # δ_L = 2 (out − v)
     d_v = -d_out
 
@@ -320,8 +307,9 @@ def _chunk_backward(
     for i in range(depth - 1, -1, -1):
         w_left[i].append(a[i])
         w_right[i].append(d_p[i])
-        dW[i].baddbmm_(torch.cat(w_left[i], 1).transpose(1, 2), torch.cat(w_right[i], 1))
-        d_a[i].baddbmm_(d_p[i], W[i].transpose(1, 2))
+        d_beta_n += combine(dW[i], dW_new[i], dec.beta[:, -1], torch.cat(w_left[i], 1), torch.cat(w_right[i], 1), 1.0,
+                            dots_with=W[i])[:, 0]
+        xwt(d_p[i], W[i], out=d_a[i], accumulate=True)
         if i > 0:
             d_p[i - 1] += sigma_vjp(d_a[i], p[i - 1])
         else:

@@ -76,14 +76,16 @@ def memory_apply(x: Tensor, weights: Weights, activation: str = "gelu", residual
     return x + h if residual else h
 
 
-def forward_cached(x: Tensor, weights: Weights, activation: str, residual: bool) -> tuple[Tensor, list[Tensor], list[Tensor]]:
-    """M(x; W) plus each layer's input `a_{i-1}` and pre-activation `z_i` (for `backward_deltas`)."""
+def forward_cached(x: Tensor, weights: Weights, activation: str, residual: bool,
+                   matmul: Callable[[Tensor, Tensor], Tensor] = torch.matmul) -> tuple[Tensor, list[Tensor], list[Tensor]]:
+    """M(x; W) plus each layer's input `a_{i-1}` and pre-activation `z_i` (for `backward_deltas`); `matmul` is
+    the fused path's state product (`state_ops.xw`)."""
     sigma = ACTIVATIONS[activation][0]
     inputs, preacts = [], []
     a = x
     for i, w in enumerate(weights):
         inputs.append(a)
-        z = a @ w
+        z = matmul(a, w)
         preacts.append(z)
         a = sigma(z) if i < len(weights) - 1 else z
     out = x + a if residual else a

@@ -1,0 +1,367 @@
+// State-sized products of the fused memory scan (fused.py), for float32 on CPUs with AVX-512.
+//
+// A chunk touches each state matrix W [K, N] (1 MiB at the benchmark's shape) only through products with
+// n = 16 rows: X W, G Wᵀ and rank-n updates W' = βW + cS + α Aᵀ G. The states of a training step do not fit in
+// cache, so each product streams its matrix from DRAM; MKL's small-M kernels then wait on memory latency
+// (45–69 GFLOP/s here against 100–138 from cache). These kernels read the matrix in the order they use it,
+// prefetch what comes next into L2 by hand (software prefetch), keep every partial sum in registers, and write
+// the state update in one pass; `x W` then runs at 120–165 GFLOP/s from DRAM. Plain ATen references beside them
+// in state_ops.py; tests/memory/test_state_ops.py compares the two.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <vector>
+
+namespace {
+
+constexpr int V = 16;  // floats per zmm register
+constexpr int R = 16;  // rows per register block: one accumulator per row
+// Rows ahead that `combine` prefetches: at ~40 ns a row block, 8 rows cover DRAM latency (4 rows measured slower).
+constexpr int64_t PREFETCH_ROWS = 8;
+
+int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// [B, M, K] (any strides) -> [B][K][Mp] with Mp = M rounded up to R and zero rows: row block r of column k is
+// contiguous, and the padding rows contribute zeros, so the inner loops never test the row count. Plain loops:
+// two ATen calls (zeros, copy_) per product cost more than the copy itself.
+std::vector<float> transpose_padded(const torch::Tensor& x, int64_t Mp) {
+  const int64_t B = x.size(0), M = x.size(1), K = x.size(2);
+  const auto a = x.accessor<float, 3>();
+  std::vector<float> out(B * K * Mp, 0.0f);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t r = 0; r < M; ++r)
+      for (int64_t k = 0; k < K; ++k) out[(b * K + k) * Mp + r] = a[b][r][k];
+  return out;
+}
+
+// A row-strided [B, M, N] operand (inner stride 1), read through `pack_columns`.
+struct Rows {
+  const float* data;
+  int64_t batch_stride, row_stride;
+  Rows(const torch::Tensor& t) : data(t.data_ptr<float>()), batch_stride(t.stride(0)), row_stride(t.stride(1)) {}
+};
+
+// Splits `extent` (a multiple of `align`) into `parts` aligned ranges.
+std::pair<int64_t, int64_t> part_range(int64_t extent, int64_t parts, int64_t part, int64_t align) {
+  const int64_t units = extent / align, lo = units * part / parts, hi = units * (part + 1) / parts;
+  return {lo * align, hi * align};
+}
+
+// Enough tasks for every thread to have two when the batch alone does not give them.
+int64_t parts_per_batch(int64_t batch, int64_t units) {
+  const int64_t want = (2 * at::get_num_threads() + batch - 1) / batch;
+  return std::max<int64_t>(1, std::min(want, units));
+}
+
+// Y[:, j0:j1] (=|+=) X W for one batch element. xt: X transposed and padded ([K, Mp]).
+// Each 16-column strip of W (one cache line per row) is walked down its K rows once per row block, with all
+// Mp × 16 partial sums of a row block in registers; the next strip is prefetched into L2 meanwhile, since its
+// lines are 4·N bytes apart and no hardware prefetcher follows that stride across pages.
+void xw_range(const float* xt, int64_t Mp, const float* W, float* Y, int64_t M, int64_t K, int64_t N,
+              int64_t j0, int64_t j1, bool accumulate) {
+  for (int64_t j = j0; j < j1; j += V) {
+    const bool prefetch = j + V < j1;
+    for (int64_t rb = 0; rb < Mp; rb += R) {
+      __m512 acc[R];
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+      const float* w = W + j;
+      const float* x = xt + rb;
+      for (int64_t k = 0; k < K; ++k) {
+        if (prefetch && rb == 0) _mm_prefetch(reinterpret_cast<const char*>(w + k * N + V), _MM_HINT_T1);
+        const __m512 wk = _mm512_loadu_ps(w + k * N);
+        const float* xk = x + k * Mp;
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(xk[r]), wk, acc[r]);
+      }
+      const int64_t rows = std::min<int64_t>(R, M - rb);
+      for (int64_t r = 0; r < rows; ++r) {
+        float* y = Y + (rb + r) * N + j;
+        _mm512_storeu_ps(y, accumulate ? _mm512_add_ps(_mm512_loadu_ps(y), acc[r]) : acc[r]);
+      }
+    }
+  }
+}
+
+// Lane r of the result is the sum of the 16 lanes of a[r] (a transpose-and-add tree: 4 levels, 30 shuffles).
+inline __m512 reduce16(const __m512* a) {
+  __m512 t[8], u[4], v[2];
+  for (int i = 0; i < 8; ++i)  // 256-bit halves: t[i] = [a[2i] (8 lanes) | a[2i+1] (8 lanes)]
+    t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int i = 0; i < 4; ++i)  // 128-bit quarters: u[i] = [a[4i] | a[4i+1] | a[4i+2] | a[4i+3]], 4 lanes each
+    u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  for (int i = 0; i < 2; ++i)  // quarter q of v[i]: a[8i+q] (2 lanes), a[8i+4+q] (2 lanes)
+    v[i] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  // quarter q: a[q], a[4+q], a[8+q], a[12+q]; lane 4q+p holds a[q+4p], so lane r is read from 4(r%4) + r/4.
+  const __m512 s = _mm512_add_ps(_mm512_shuffle_ps(v[0], v[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_ps(v[0], v[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, s);
+}
+
+// Copies rows [0, M) × columns [n0, n0 + 16·nv) of G (row stride ld) to `dst` as [Mp][nv][16], contiguous. Rows
+// of G are 4·N bytes apart; with N = 1024 all 16 of a block would fall in one L1 set (8 ways) and evict each other.
+// Rows from M to Mp are zeros.
+void pack_columns(const float* G, int64_t M, int64_t ld, int64_t Mp, int64_t n0, int64_t nv, float* dst) {
+  for (int64_t r = 0; r < M; ++r) std::copy(G + r * ld + n0, G + r * ld + n0 + nv * V, dst + r * nv * V);
+  std::fill(dst + M * nv * V, dst + Mp * nv * V, 0.0f);
+}
+
+// Y[:, k0:k1] (=|+=) G Wᵀ for one batch element with N ≤ 256, computed as its transpose Yᵀ = W Gᵀ so that no sum
+// runs across lanes: gt is G transposed and padded ([N, Mp], at most 16 KiB per row block: L1). 16 rows of W
+// (contiguous: 16·4·N bytes) are walked side by side, each element broadcast against a vector of 16 rows of Gᵀ,
+// the 16 × 16 block of Yᵀ in registers; the next 16 rows are prefetched into L2 meanwhile. (For wider W the 16
+// rows, 4·N bytes apart, would share L1 sets: `xwt_dots_range`.)
+void xwt_range(const float* gt, int64_t Mp, const float* W, float* Y, int64_t M, int64_t K, int64_t N,
+               int64_t k0, int64_t k1, bool accumulate) {
+  alignas(64) float block[R][V];
+  for (int64_t kb = k0; kb < k1; kb += R) {
+    const int64_t rows_k = std::min<int64_t>(R, k1 - kb);
+    const float* w[R];
+    for (int i = 0; i < R; ++i) w[i] = W + std::min<int64_t>(kb + i, k1 - 1) * N;  // a short block repeats a row
+    const bool prefetch = kb + R < k1;
+    for (int64_t rb = 0; rb < Mp; rb += R) {
+      __m512 acc[R];
+#pragma GCC unroll 16
+      for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
+      for (int64_t n = 0; n < N; ++n) {
+        if (prefetch && rb == 0 && n % V == 0)
+          for (int i = 0; i < R; ++i) _mm_prefetch(reinterpret_cast<const char*>(W + (kb + R + i) * N + n), _MM_HINT_T1);
+        const __m512 g = _mm512_loadu_ps(gt + n * Mp + rb);
+#pragma GCC unroll 16
+        for (int i = 0; i < R; ++i) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(w[i][n]), g, acc[i]);
+      }
+      for (int i = 0; i < rows_k; ++i) _mm512_store_ps(block[i], acc[i]);  // lane r: Y[rb + r, kb + i]
+      const int64_t rows = std::min<int64_t>(R, M - rb);
+      for (int64_t r = 0; r < rows; ++r) {
+        float* y = Y + (rb + r) * K + kb;
+        for (int i = 0; i < rows_k; ++i) y[i] = accumulate ? y[i] + block[i][r] : block[i][r];
+      }
+    }
+  }
+}
+
+// Y[:, k0:k1] (=|+=) G Wᵀ for one batch element by dot products, Y[r, k] = G[r, :] · W[k, :], for wide W
+// (N > 256); G has M rows, ld apart.
+// Row k of W is contiguous. Columns go in blocks of up to 256: a row block of G (16 KiB, packed) stays in L1 while
+// the rows of W stream past; each block's sums are reduced across lanes and added into Y.
+void xwt_dots_range(const float* G, int64_t ld, const float* W, float* Y, int64_t M, int64_t K, int64_t N,
+               int64_t k0, int64_t k1, bool accumulate) {
+  alignas(64) float sums[R];
+  const int64_t Mp = round_up(M, R), block = std::min<int64_t>(N, 256);
+  std::vector<float> packed(Mp * block);
+  for (int64_t n0 = 0; n0 < N; n0 += block) {
+    const int64_t nv = (std::min(N, n0 + block) - n0) / V;  // the last block may be narrower
+    const bool add = accumulate || n0 > 0;
+    pack_columns(G, M, ld, Mp, n0, nv, packed.data());
+    for (int64_t k = k0; k < k1; ++k) {
+      const float* w = W + k * N + n0;
+      if (k + PREFETCH_ROWS < k1)
+        for (int64_t v = 0; v < nv; ++v) _mm_prefetch(reinterpret_cast<const char*>(w + PREFETCH_ROWS * N + v * V), _MM_HINT_T1);
+      for (int64_t rb = 0; rb < Mp; rb += R) {
+        __m512 acc[R];
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+        const float* g = packed.data() + rb * nv * V;
+        for (int64_t v = 0; v < nv; ++v) {
+          const __m512 wv = _mm512_loadu_ps(w + v * V);
+#pragma GCC unroll 16
+          for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(g + (r * nv + v) * V), wv, acc[r]);
+        }
+        _mm512_store_ps(sums, reduce16(acc));
+        const int64_t rows = std::min<int64_t>(R, M - rb);
+        for (int64_t r = 0; r < rows; ++r) {
+          float* y = Y + (rb + r) * K + k;
+          *y = add ? *y + sums[r] : sums[r];
+        }
+      }
+    }
+  }
+}
+
+// out[k0:k1, :] = β W (+ c S) + α Aᵀ G for one batch element, and with P the dots ⟨P, W⟩, ⟨P, S⟩ over those rows
+// (the backward pass's ∂β_n, ∂c_n, ∂e_n, read from the same pass). at: A transposed and padded ([K, Mp]); G has M
+// rows, ld apart. `out` may be W (an in-place update). Columns go in blocks of NB vectors so that the block of G
+// (Mp × 16·NB floats, packed) stays in L1 while the rows of W, S, P and out stream past; rows PREFETCH_ROWS ahead are
+// prefetched into L2 (into L1 they would all land in the same few sets, 4·N bytes apart).
+template <int NB>
+void combine_range(float* out, const float* W, float beta, const float* S, float c, const float* P, double* dots,
+                   const float* at, int64_t Mp, const float* G, int64_t M, int64_t ld, float alpha, int64_t N,
+                   int64_t k0, int64_t k1) {
+  std::vector<float> packed(Mp * NB * V);
+  const __m512 vb = _mm512_set1_ps(beta), vc = _mm512_set1_ps(c);
+  // A fresh output is written with non-temporal stores: no read of lines about to be overwritten whole.
+  const bool stream = out != W && reinterpret_cast<uintptr_t>(out) % 64 == 0 && N % V == 0;
+  for (int64_t n0 = 0; n0 < N; n0 += NB * V) {
+    pack_columns(G, M, ld, Mp, n0, NB, packed.data());
+    for (int64_t k = k0; k < k1; ++k) {
+      const int64_t row = k * N + n0;
+      if (k + PREFETCH_ROWS < k1) {
+        const int64_t ahead = row + PREFETCH_ROWS * N;
+        for (int v = 0; v < NB; ++v) {
+          _mm_prefetch(reinterpret_cast<const char*>(W + ahead + v * V), _MM_HINT_T1);
+          if (S) _mm_prefetch(reinterpret_cast<const char*>(S + ahead + v * V), _MM_HINT_T1);
+          if (P) _mm_prefetch(reinterpret_cast<const char*>(P + ahead + v * V), _MM_HINT_T1);
+          if (out != W && !stream) _mm_prefetch(reinterpret_cast<const char*>(out + ahead + v * V), _MM_HINT_T1);
+        }
+      }
+      __m512 acc[NB];
+      __m512 dot_w = _mm512_setzero_ps(), dot_s = _mm512_setzero_ps();
+#pragma GCC unroll 8
+      for (int v = 0; v < NB; ++v) {
+        const __m512 w = _mm512_loadu_ps(W + row + v * V);
+        acc[v] = _mm512_mul_ps(vb, w);
+        const __m512 pv = P ? _mm512_loadu_ps(P + row + v * V) : _mm512_setzero_ps();
+        if (P) dot_w = _mm512_fmadd_ps(pv, w, dot_w);
+        if (S) {
+          const __m512 sv = _mm512_loadu_ps(S + row + v * V);
+          acc[v] = _mm512_fmadd_ps(vc, sv, acc[v]);
+          if (P) dot_s = _mm512_fmadd_ps(pv, sv, dot_s);
+        }
+      }
+      if (P) {  // per row into double: 2^18 float32 terms summed in one register would lose digits
+        dots[0] += _mm512_reduce_add_ps(dot_w);
+        dots[1] += _mm512_reduce_add_ps(dot_s);
+      }
+      for (int64_t rb = 0; rb < Mp; rb += R) {
+        const float* ak = at + k * Mp + rb;
+        const float* g = packed.data() + rb * NB * V;
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) {
+          const __m512 coef = _mm512_set1_ps(alpha * ak[r]);
+#pragma GCC unroll 8
+          for (int v = 0; v < NB; ++v) acc[v] = _mm512_fmadd_ps(coef, _mm512_loadu_ps(g + (r * NB + v) * V), acc[v]);
+        }
+      }
+      if (stream) {
+#pragma GCC unroll 8
+        for (int v = 0; v < NB; ++v) _mm512_stream_ps(out + row + v * V, acc[v]);
+      } else {
+#pragma GCC unroll 8
+        for (int v = 0; v < NB; ++v) _mm512_storeu_ps(out + row + v * V, acc[v]);
+      }
+    }
+  }
+  if (stream) _mm_sfence();
+}
+
+void check(const torch::Tensor& t, const char* name, int64_t dim) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat32 && t.dim() == dim && t.is_contiguous(),
+              name, ": expected a contiguous float32 CPU tensor with ", dim, " dimensions");
+}
+
+// The small operands may be any strided view: they are copied (transposed, padded) before use.
+void check_small(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat32 && t.dim() == 3, name,
+              ": expected a float32 CPU tensor with 3 dimensions");
+}
+
+}  // namespace
+
+// out (=|+=) X W: X [B, M, K], W [B, K, N] with N % 16 == 0, out [B, M, N].
+void xw(const torch::Tensor& X, const torch::Tensor& W, torch::Tensor out, bool accumulate) {
+  check(W, "W", 3), check(out, "out", 3), check_small(X, "X");
+  const int64_t B = W.size(0), K = W.size(1), N = W.size(2), M = X.size(1), Mp = round_up(M, R);
+  TORCH_CHECK(N % V == 0 && X.size(0) == B && X.size(2) == K && out.size(0) == B && out.size(1) == M &&
+              out.size(2) == N, "xw: shapes do not fit");
+  const auto xt = transpose_padded(X, Mp);
+  const int64_t parts = parts_per_batch(B, N / V);
+  const float* wp = W.data_ptr<float>();
+  float* yp = out.data_ptr<float>();
+  at::parallel_for(0, B * parts, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t b = t / parts;
+      const auto [j0, j1] = part_range(N, parts, t % parts, V);
+      xw_range(xt.data() + b * K * Mp, Mp, wp + b * K * N, yp + b * M * N, M, K, N, j0, j1, accumulate);
+    }
+  });
+}
+
+// out (=|+=) G Wᵀ: G [B, M, N] (inner stride 1 when N > 256), W [B, K, N] with N % 16 == 0, out [B, M, K].
+void xwt(const torch::Tensor& G, const torch::Tensor& W, torch::Tensor out, bool accumulate) {
+  check(W, "W", 3), check(out, "out", 3), check_small(G, "G");
+  const int64_t B = W.size(0), K = W.size(1), N = W.size(2), M = G.size(1), Mp = round_up(M, R);
+  TORCH_CHECK(N % V == 0 && G.size(0) == B && G.size(2) == N && out.size(0) == B && out.size(1) == M &&
+              out.size(2) == K, "xwt: shapes do not fit");
+  const float* wp = W.data_ptr<float>();
+  float* yp = out.data_ptr<float>();
+  if (N <= 256) {
+    const auto gt = transpose_padded(G, Mp);
+    const int64_t parts = parts_per_batch(B, (K + R - 1) / R);
+    at::parallel_for(0, B * parts, 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t b = t / parts;
+        const auto [k0, k1] = part_range(round_up(K, R), parts, t % parts, R);
+        if (k0 < K)
+          xwt_range(gt.data() + b * N * Mp, Mp, wp + b * K * N, yp + b * M * K, M, K, N, k0, std::min(k1, K), accumulate);
+      }
+    });
+    return;
+  }
+  TORCH_CHECK(G.stride(2) == 1, "xwt: G must have inner stride 1");
+  const Rows g(G);
+  const int64_t parts = parts_per_batch(B, K);
+  at::parallel_for(0, B * parts, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t b = t / parts;
+      const auto [k0, k1] = part_range(K, parts, t % parts, 1);
+      xwt_dots_range(g.data + b * g.batch_stride, g.row_stride, wp + b * K * N, yp + b * M * K, M, K, N, k0, k1,
+                     accumulate);
+    }
+  });
+}
+
+// out = β W (+ c S) + α Aᵀ G: W, S, out [B, K, N] with N % 16 == 0; β, c [B]; A [B, M, K]; G [B, M, N] (inner
+// stride 1). With P [B, K, N], also returns [B, 2] float64: ⟨P, W⟩ and ⟨P, S⟩ (0 without S), from before the write.
+torch::Tensor combine(torch::Tensor out, const torch::Tensor& W, const torch::Tensor& beta,
+                      const c10::optional<torch::Tensor>& S, const c10::optional<torch::Tensor>& c,
+                      const torch::Tensor& A, const torch::Tensor& G, double alpha,
+                      const c10::optional<torch::Tensor>& P) {
+  check(out, "out", 3), check(W, "W", 3), check(beta, "beta", 1), check_small(A, "A"), check_small(G, "G");
+  const int64_t B = W.size(0), K = W.size(1), N = W.size(2), M = A.size(1), Mp = round_up(M, R);
+  TORCH_CHECK(N % V == 0 && out.sizes() == W.sizes() && beta.size(0) == B && A.size(0) == B && A.size(2) == K &&
+              G.size(0) == B && G.size(1) == M && G.size(2) == N && G.stride(2) == 1, "combine: shapes do not fit");
+  TORCH_CHECK(S.has_value() == c.has_value(), "combine: S and c go together");
+  if (S) {
+    check(*S, "S", 3), check(*c, "c", 1);
+    TORCH_CHECK(S->sizes() == W.sizes() && c->size(0) == B, "combine: S and c do not fit W");
+  }
+  if (P) {
+    check(*P, "P", 3);
+    TORCH_CHECK(P->sizes() == W.sizes(), "combine: P does not fit W");
+  }
+  const auto at_ = transpose_padded(A, Mp);
+  const Rows g(G);
+  const int64_t parts = parts_per_batch(B, K);
+  const float *wp = W.data_ptr<float>(), *bp = beta.data_ptr<float>();
+  const float *sp = S ? S->data_ptr<float>() : nullptr, *cp = S ? c->data_ptr<float>() : nullptr;
+  const float* pp = P ? P->data_ptr<float>() : nullptr;
+  float* op = out.data_ptr<float>();
+  std::vector<double> partial(B * parts * 2, 0.0);  // one slot per task: no sharing between threads
+  const auto run = N % (8 * V) == 0 ? combine_range<8> : N % (4 * V) == 0 ? combine_range<4>
+                 : N % (2 * V) == 0 ? combine_range<2> : combine_range<1>;
+  at::parallel_for(0, B * parts, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t b = t / parts, off = b * K * N;
+      const auto [k0, k1] = part_range(K, parts, t % parts, 1);
+      run(op + off, wp + off, bp[b], sp ? sp + off : nullptr, sp ? cp[b] : 0.0f, pp ? pp + off : nullptr,
+          partial.data() + 2 * t, at_.data() + b * K * Mp, Mp, g.data + b * g.batch_stride, M, g.row_stride,
+          static_cast<float>(alpha), N, k0, k1);
+    }
+  });
+  auto dots = torch::zeros({B, 2}, torch::kFloat64);
+  auto d = dots.accessor<double, 2>();
+  for (int64_t t = 0; t < B * parts; ++t) d[t / parts][0] += partial[2 * t], d[t / parts][1] += partial[2 * t + 1];
+  return dots;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("xw", &xw, "out (=|+=) X W");
+  m.def("xwt", &xwt, "out (=|+=) G W^T");
+  m.def("combine", &combine, "out = beta W (+ c S) + alpha A^T G; with P, the dots <P, W> and <P, S>");
+}

@@ -1,0 +1,177 @@
+"""The three state-sized products of the fused scan, each a C++ kernel with its ATen reference beside it.
+
+Every way a chunk touches a state matrix W `[batch, K, N]` (the memory's weights, momentum and their
+gradients) is one of
+
+    xw(x, W)                      x W          x: [batch, n, K]   (keys, queries, ∂δ)
+    xwt(g, W)                     g Wᵀ         g: [batch, n, N]   (δ W_{i+1}ᵀ, ∂h, ∂a)
+    combine(out, W, β, A, G, α)   β W + c S + α Aᵀ G              (the state update, ∂W⁰, ∂S⁰)
+
+with n = 16 rows (a chunk). A training step's states do not fit in cache, so each product streams its matrix
+from DRAM, and MKL's small-row kernels wait on memory latency there: 45–69 GFLOP/s against 100–138 from cache
+on the benchmark machine (README, "Speed and memory"). `kernels/state_ops.cpp` walks W in the order it uses
+it and prefetches the next strip into L2 while computing the current one, and `combine` does the state
+update in one pass over W and S instead of four.
+
+The kernels serve float32 CPU tensors whose W is contiguous with N a multiple of 16 and at least 8 rows in x,
+on x86-64 CPUs with AVX-512; they are compiled on first use (`torch.utils.cpp_extension`, about a minute,
+cached). Anything else, a machine without a compiler, or `TITANS_KERNELS=0` takes the ATen reference, which
+is also what float64 (every exactness test) runs. `tests/memory/test_state_ops.py` holds each kernel to its
+reference, and the fused scan with kernels to the scan without.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import threading
+import warnings
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+_SOURCE = Path(__file__).with_name("kernels") / "state_ops.cpp"
+MIN_ROWS = 8  # below this the zero-padded 16-row register blocks waste more than the kernels gain
+
+# --- the references ----------------------------------------------------------------------------------
+
+
+def xw_reference(x: Tensor, W: Tensor, out: Optional[Tensor] = None, accumulate: bool = False) -> Tensor:
+    if accumulate:
+        return out.baddbmm_(x, W)
+    return torch.bmm(x, W, out=out) if out is not None else torch.bmm(x, W)
+
+
+def xwt_reference(g: Tensor, W: Tensor, out: Optional[Tensor] = None, accumulate: bool = False) -> Tensor:
+    return xw_reference(g, W.transpose(1, 2), out, accumulate)
+
+
+def combine_reference(out: Tensor, W: Tensor, beta: Tensor, A: Tensor, G: Tensor, alpha: float,
+                      S: Optional[Tensor] = None, c: Optional[Tensor] = None,
+                      dots_with: Optional[Tensor] = None) -> Optional[Tensor]:
+    dots = None
+    if dots_with is not None:  # before `out` is written: it may be W
+        dots = torch.stack([_flat_dot(dots_with, W), _flat_dot(dots_with, S) if S is not None else W.new_zeros(len(W))], 1)
+    torch.mul(W, beta.reshape(-1, 1, 1), out=out)
+    if S is not None:
+        out.addcmul_(S, c.reshape(-1, 1, 1))
+    out.baddbmm_(A.transpose(1, 2), G, alpha=alpha)
+    return dots
+
+
+def _flat_dot(x: Tensor, y: Tensor) -> Tensor:
+    """Per-batch ⟨x_b, y_b⟩ of two `[batch, r, c]` tensors. Large states: BLAS dots, no elementwise temporary (a
+    [1, N] @ [N, 1] bmm is 20× slower). Small ones (under 64k elements each): one product and a sum beat a
+    Python loop of dots."""
+    if x[0].numel() < 1 << 16:
+        return (x * y).sum((1, 2))
+    return torch.stack([torch.dot(a.reshape(-1), b.reshape(-1)) for a, b in zip(x, y)])
+
+
+# --- the kernels ---------------------------------------------------------------------------------------
+
+_lock = threading.Lock()
+_loaded: dict[str, object] = {}
+
+
+def _why_not_buildable() -> Optional[str]:
+    if os.environ.get("TITANS_KERNELS", "1") == "0":
+        return "TITANS_KERNELS=0"
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return f"no kernels for {platform.system()} {platform.machine()}"
+    flags = _cpu_flags()
+    if "avx512f" not in flags:
+        return "the CPU lacks AVX-512"
+    if not shutil.which(os.environ.get("CXX", "c++")):
+        return "no C++ compiler (c++ or $CXX) on PATH"
+    from torch.utils.cpp_extension import is_ninja_available
+
+    if not is_ninja_available():
+        return "ninja is not installed"
+    return None
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def kernels():
+    """The compiled kernels, or None (with one warning saying why) where they cannot be built."""
+    with _lock:
+        if "module" not in _loaded:
+            _loaded["module"] = _build()
+        return _loaded["module"]
+
+
+def _build():
+    reason = _why_not_buildable()
+    if reason is None:
+        from torch.utils.cpp_extension import load
+
+        # -march=native: the build is for this CPU; its flags are in the name so that a cache directory shared
+        # with another machine never hands it a binary for other instructions.
+        digest = hashlib.sha1(" ".join(sorted(_cpu_flags())).encode()).hexdigest()[:10]
+        try:
+            return load(f"titans_state_ops_{digest}", [str(_SOURCE)], extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                        extra_ldflags=["-fopenmp"], verbose=False)
+        except Exception as err:  # a broken toolchain must not stop the library: the references remain
+            lines = str(err).splitlines()
+            first = next((line for line in lines if "error:" in line), lines[-1] if lines else type(err).__name__)
+            reason = f"building {_SOURCE.name} failed: {first.strip()}"
+    if os.environ.get("TITANS_KERNELS") == "1":
+        raise RuntimeError(f"TITANS_KERNELS=1 but the state kernels are unavailable: {reason}")
+    warnings.warn(f"titans: fused-memory state kernels unavailable ({reason}); using ATen matmuls", stacklevel=3)
+    return None
+
+
+def _fits(W: Tensor, rows: Tensor, *others: Optional[Tensor]) -> bool:
+    if not (W.dtype == torch.float32 and W.device.type == "cpu" and W.dim() == 3 and W.is_contiguous()
+            and W.shape[-1] % 16 == 0 and rows.shape[1] >= MIN_ROWS):
+        return False
+    if any(t is not None and not (t.dtype == torch.float32 and t.device.type == "cpu") for t in (rows, *others)):
+        return False
+    return kernels() is not None
+
+
+def xw(x: Tensor, W: Tensor, out: Optional[Tensor] = None, accumulate: bool = False) -> Tensor:
+    """`out (+)= x W` for x `[batch, n, K]`, W `[batch, K, N]`."""
+    if not _fits(W, x, out) or (out is not None and not out.is_contiguous()):
+        return xw_reference(x, W, out, accumulate)
+    if out is None:
+        out = x.new_empty(x.shape[0], x.shape[1], W.shape[2])
+    kernels().xw(x, W, out, accumulate)
+    return out
+
+
+def xwt(g: Tensor, W: Tensor, out: Optional[Tensor] = None, accumulate: bool = False) -> Tensor:
+    """`out (+)= g Wᵀ` for g `[batch, n, N]`, W `[batch, K, N]`."""
+    if not _fits(W, g, out) or (out is not None and not out.is_contiguous()) or g.stride(2) != 1:
+        return xwt_reference(g, W, out, accumulate)
+    if out is None:
+        out = g.new_empty(g.shape[0], g.shape[1], W.shape[1])
+    kernels().xwt(g, W, out, accumulate)
+    return out
+
+
+def combine(out: Tensor, W: Tensor, beta: Tensor, A: Tensor, G: Tensor, alpha: float,
+            S: Optional[Tensor] = None, c: Optional[Tensor] = None,
+            dots_with: Optional[Tensor] = None) -> Optional[Tensor]:
+    """`out = β W (+ c S) + α Aᵀ G` with per-batch β, c (one value per batch element, any shape), A `[batch, n, K]`,
+    G `[batch, n, N]`; `out` may be W. With `dots_with` P, returns the per-batch dots `[batch, 2]`: ⟨P, W⟩ and
+    ⟨P, S⟩ (0 without S), of the inputs, read in the same pass (the backward pass's ∂β_n, ∂c_n, ∂e_n)."""
+    states = (out, W, S, dots_with)
+    if not _fits(W, A, G, *states) or not all(t is None or t.is_contiguous() for t in states) or G.stride(2) != 1:
+        return combine_reference(out, W, beta, A, G, alpha, S, c, dots_with)
+    flat = [t.reshape(-1).to(torch.float32).contiguous() if t is not None else None for t in (beta, c)]
+    dots = kernels().combine(out, W, flat[0], S, flat[1], A, G, float(alpha), dots_with)
+    return dots.to(W.dtype) if dots_with is not None else None

@@ -1,0 +1,139 @@
+"""The C++ state kernels (`state_ops.py`) against their ATen references, and the fused scan with them against
+the scan without. The kernels are float32; the references are held to float64 products of the same inputs."""
+
+import pytest
+import torch
+
+from titans.memory import parallel_memory, state_ops
+
+needs_kernels = pytest.mark.skipif(state_ops.kernels() is None,
+                                   reason="state kernels unavailable here (no AVX-512 or no C++ compiler)")
+
+# (batch, rows n, K, N): 16-row blocks, padded row counts (17, 40), several row blocks (48), every column-block
+# width the update kernel has (N = 16, 32, 64, 128 and beyond), and the benchmark's orientations.
+SHAPES = [(3, 16, 64, 128), (2, 17, 48, 32), (1, 48, 32, 256), (2, 8, 40, 16), (2, 40, 96, 64), (1, 16, 256, 1024),
+          (1, 16, 1024, 256), (2, 16, 300, 272)]
+
+
+def rel_err(x: torch.Tensor, exact: torch.Tensor) -> float:
+    return ((x.double() - exact).abs().max() / exact.abs().max()).item()
+
+
+@needs_kernels
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_xw_and_xwt_match_their_references(shape, accumulate):
+    B, n, K, N = shape
+    x, g, W = torch.randn(B, n, K), torch.randn(B, n, N), torch.randn(B, K, N)
+    start_xw, start_xwt = torch.randn(B, n, N), torch.randn(B, n, K)
+    out_xw, out_xwt = start_xw.clone(), start_xwt.clone()
+    state_ops.xw(x, W, out=out_xw, accumulate=accumulate)
+    state_ops.xwt(g, W, out=out_xwt, accumulate=accumulate)
+    exact_xw = x.double() @ W.double() + (start_xw.double() if accumulate else 0)
+    exact_xwt = g.double() @ W.double().transpose(1, 2) + (start_xwt.double() if accumulate else 0)
+    assert rel_err(out_xw, exact_xw) < 1e-5
+    assert rel_err(out_xwt, exact_xwt) < 1e-5
+    assert rel_err(state_ops.xw(x, W), x.double() @ W.double()) < 1e-5  # fresh output
+
+
+@needs_kernels
+@pytest.mark.parametrize("shape", SHAPES)
+def test_combine_matches_its_reference(shape):
+    B, n, K, N = shape
+    W, S, A, G = torch.randn(B, K, N), torch.randn(B, K, N), torch.randn(B, n, K), torch.randn(B, n, N)
+    beta, c = torch.rand(B), torch.rand(B, 1)  # any shape with one value per batch element
+    P = torch.randn(B, K, N)
+    out = torch.full_like(W, float("nan"))  # every element must be written
+    dots = state_ops.combine(out, W, beta, A, G, -0.7, S=S, c=c, dots_with=P)
+    exact = (beta.double().view(-1, 1, 1) * W.double() + c.double().view(-1, 1, 1) * S.double()
+             - 0.7 * A.double().transpose(1, 2) @ G.double())
+    assert rel_err(out, exact) < 1e-5
+    exact_dots = torch.stack([(P.double() * W.double()).sum((1, 2)), (P.double() * S.double()).sum((1, 2))], 1)
+    assert dots.dtype == torch.float32 and rel_err(dots, exact_dots) < 1e-5
+    # In place, without S: the backward pass's W ← β W + Aᵀ G, with ⟨P, W⟩ of W before the update.
+    exact = beta.double().view(-1, 1, 1) * W.double() + A.double().transpose(1, 2) @ G.double()
+    dot_before = (P.double() * W.double()).sum((1, 2))
+    dots = state_ops.combine(W, W, beta, A, G, 1.0, dots_with=P)
+    assert rel_err(W, exact) < 1e-5
+    assert rel_err(dots[:, 0], dot_before) < 1e-5 and (dots[:, 1] == 0).all()
+    assert state_ops.combine(W, W, beta, A, G, 1.0) is None
+
+
+@needs_kernels
+def test_kernels_honour_views_of_the_small_operands():
+    # The scan passes slices of [batch, seq, d] tensors (rows strided) and transposed gate products.
+    B, n, K, N = 2, 16, 64, 128
+    x = torch.randn(B, 3 * n, K)[:, n : 2 * n]
+    g = torch.randn(B, N, n).transpose(1, 2)
+    W = torch.randn(B, K, N)
+    assert rel_err(state_ops.xw(x, W), x.double() @ W.double()) < 1e-5
+    assert rel_err(state_ops.xwt(g, W), g.double() @ W.double().transpose(1, 2)) < 1e-5
+
+
+class _Refuse:
+    def __getattr__(self, name):
+        raise AssertionError(f"kernel {name} called for inputs it does not serve")
+
+
+@pytest.mark.parametrize("case", ["float64", "narrow_N", "few_rows", "strided_W"])
+def test_inputs_the_kernels_do_not_serve_take_the_reference(monkeypatch, case):
+    monkeypatch.setitem(state_ops._loaded, "module", _Refuse())
+    B, n, K, N = 2, 16, 32, 64
+    dtype = torch.float64 if case == "float64" else torch.float32
+    if case == "narrow_N":
+        N = 24
+    if case == "few_rows":
+        n = state_ops.MIN_ROWS - 1
+    x, g, A = torch.randn(B, n, K, dtype=dtype), torch.randn(B, n, N, dtype=dtype), torch.randn(B, n, K, dtype=dtype)
+    W = torch.randn(B, N, K, dtype=dtype).transpose(1, 2) if case == "strided_W" else torch.randn(B, K, N, dtype=dtype)
+    torch.testing.assert_close(state_ops.xw(x, W), x @ W)
+    torch.testing.assert_close(state_ops.xwt(g, W), g @ W.transpose(1, 2))
+    beta = torch.rand(B, dtype=dtype)
+    out, P = torch.empty(B, K, N, dtype=dtype), torch.randn(B, K, N, dtype=dtype)
+    dots = state_ops.combine(out, W, beta, A, g, 2.0, dots_with=P)
+    torch.testing.assert_close(out, beta.view(-1, 1, 1) * W + 2.0 * A.transpose(1, 2) @ g)
+    torch.testing.assert_close(dots[:, 0], (P * W).sum((1, 2)))
+
+
+def test_without_kernels_the_library_warns_once_and_uses_the_references(monkeypatch):
+    monkeypatch.setenv("TITANS_KERNELS", "0")
+    monkeypatch.setattr(state_ops, "_loaded", {})
+    with pytest.warns(UserWarning, match="TITANS_KERNELS=0"):
+        assert state_ops.kernels() is None
+    x, W = torch.randn(2, 16, 32), torch.randn(2, 32, 64)
+    torch.testing.assert_close(state_ops.xw(x, W), x @ W)
+
+
+def test_kernels_demanded_but_unavailable_is_an_error(monkeypatch):
+    monkeypatch.setenv("TITANS_KERNELS", "1")
+    monkeypatch.setattr(state_ops, "_loaded", {})
+    monkeypatch.setattr(state_ops, "_why_not_buildable", lambda: "no C++ compiler (c++ or $CXX) on PATH")
+    with pytest.raises(RuntimeError, match="TITANS_KERNELS=1 but the state kernels are unavailable: no C\\+\\+ compiler"):
+        state_ops.kernels()
+
+
+def _scan(monkeypatch, with_kernels: bool, seq: int, chunk_size: int):
+    if not with_kernels:
+        monkeypatch.setitem(state_ops._loaded, "module", None)
+    torch.manual_seed(1)
+    B, H, d, hidden = 2, 2, 32, 64
+    q, k = (torch.nn.functional.normalize(torch.randn(B, H, seq, d), dim=-1).requires_grad_() for _ in range(2))
+    v = torch.randn(B, H, seq, d).requires_grad_()
+    theta = (0.1 * torch.rand(B, H, seq)).requires_grad_()
+    eta, alpha = torch.rand(B, H, seq).requires_grad_(), (0.05 * torch.rand(B, H, seq)).requires_grad_()
+    weights = tuple((0.2 * torch.randn(B, H, a, b)).requires_grad_() for a, b in [(d, hidden), (hidden, d)])
+    y, new_w, new_m = parallel_memory(q, k, v, theta, eta, alpha, weights, chunk_size=chunk_size)
+    loss = y.pow(2).sum() + sum((w * torch.cos(w)).sum() for w in (*new_w, *new_m))
+    loss.backward()
+    inputs = (q, k, v, theta, eta, alpha, *weights)
+    return [y, *new_w, *new_m] + [t.grad for t in inputs]
+
+
+@needs_kernels
+@pytest.mark.parametrize("seq,chunk_size", [(64, 16), (70, 16), (72, 24)])
+def test_fused_scan_with_kernels_matches_the_scan_without(monkeypatch, seq, chunk_size):
+    # 70 tokens: a 6-token ragged chunk (the reference path) after four kernel chunks; chunk 24: two row blocks.
+    with_kernels = _scan(monkeypatch, True, seq, chunk_size)
+    without = _scan(monkeypatch, False, seq, chunk_size)
+    for a, b in zip(with_kernels, without):
+        assert rel_err(a, b.double()) < 2e-5
