@@ -50,6 +50,14 @@ def test_combine_matches_its_reference(shape):
     assert rel_err(out, exact) < 1e-5
     exact_dots = torch.stack([(P.double() * W.double()).sum((1, 2)), (P.double() * S.double()).sum((1, 2))], 1)
     assert dots.dtype == torch.float32 and rel_err(dots, exact_dots) < 1e-5
+    # Both forward updates from one pass: W' = β W + c S − Aᵀ G and S' = e S − Aᵀ G2.
+    e, G2 = torch.rand(B), torch.randn(B, n, N)
+    out, out2 = torch.full_like(W, float("nan")), torch.full_like(W, float("nan"))
+    state_ops.combine(out, W, beta, A, G, -1.0, S=S, c=c, out2=out2, e=e, G2=G2)
+    exact2 = e.double().view(-1, 1, 1) * S.double() - A.double().transpose(1, 2) @ G2.double()
+    exact = (beta.double().view(-1, 1, 1) * W.double() + c.double().view(-1, 1, 1) * S.double()
+             - A.double().transpose(1, 2) @ G.double())
+    assert rel_err(out, exact) < 1e-5 and rel_err(out2, exact2) < 1e-5
     # In place, without S: the backward pass's W ← β W + Aᵀ G, with ⟨P, W⟩ of W before the update.
     exact = beta.double().view(-1, 1, 1) * W.double() + A.double().transpose(1, 2) @ G.double()
     dot_before = (P.double() * W.double()).sum((1, 2))
@@ -93,6 +101,9 @@ def test_inputs_the_kernels_do_not_serve_take_the_reference(monkeypatch, case):
     dots = state_ops.combine(out, W, beta, A, g, 2.0, dots_with=P)
     torch.testing.assert_close(out, beta.view(-1, 1, 1) * W + 2.0 * A.transpose(1, 2) @ g)
     torch.testing.assert_close(dots[:, 0], (P * W).sum((1, 2)))
+    S, out2, e = torch.randn(B, K, N, dtype=dtype), torch.empty(B, K, N, dtype=dtype), torch.rand(B, dtype=dtype)
+    state_ops.combine(out, W, beta, A, g, -1.0, S=S, c=beta, out2=out2, e=e, G2=2 * g)
+    torch.testing.assert_close(out2, e.view(-1, 1, 1) * S - 2.0 * A.transpose(1, 2) @ g)
 
 
 def test_without_kernels_the_library_warns_once_and_uses_the_references(monkeypatch):

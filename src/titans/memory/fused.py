@@ -183,8 +183,8 @@ def _chunk_forward(
         # Last row (step 4): W ← β_n W⁰ + c_n S⁰ − aᵀ diag(C[n,:]) δ;  S ← e_n S⁰ − aᵀ diag(θ ⊙ E[n,:]) δ.
         u_w, u_m = C[:, -1, :].unsqueeze(-1), (theta * dec.E_last).unsqueeze(-1)
         for i in range(depth):
-            combine(new_state[2 * i], W[i], dec.beta[:, -1], a[i], u_w * delta[i], -1.0, S=S[i], c=dec.c[:, -1])
-            combine(new_state[2 * i + 1], S[i], dec.e_last, a[i], u_m * delta[i], -1.0)
+            combine(new_state[2 * i], W[i], dec.beta[:, -1], a[i], u_w * delta[i], -1.0, S=S[i], c=dec.c[:, -1],
+                    out2=new_state[2 * i + 1], e=dec.e_last, G2=u_m * delta[i])
     return ChunkCache(a, p, m, delta, h_list, hW, hS, r_list, theta, scale, sq_norm, C)
 
 

@@ -51,8 +51,11 @@ def xwt_reference(g: Tensor, W: Tensor, out: Optional[Tensor] = None, accumulate
 
 
 def combine_reference(out: Tensor, W: Tensor, beta: Tensor, A: Tensor, G: Tensor, alpha: float,
-                      S: Optional[Tensor] = None, c: Optional[Tensor] = None,
-                      dots_with: Optional[Tensor] = None) -> Optional[Tensor]:
+                      S: Optional[Tensor] = None, c: Optional[Tensor] = None, dots_with: Optional[Tensor] = None,
+                      out2: Optional[Tensor] = None, e: Optional[Tensor] = None,
+                      G2: Optional[Tensor] = None) -> Optional[Tensor]:
+    if out2 is not None:
+        combine_reference(out2, S, e, A, G2, alpha)
     dots = None
     if dots_with is not None:  # before `out` is written: it may be W
         dots = torch.stack([_flat_dot(dots_with, W), _flat_dot(dots_with, S) if S is not None else W.new_zeros(len(W))], 1)
@@ -164,14 +167,16 @@ def xwt(g: Tensor, W: Tensor, out: Optional[Tensor] = None, accumulate: bool = F
 
 
 def combine(out: Tensor, W: Tensor, beta: Tensor, A: Tensor, G: Tensor, alpha: float,
-            S: Optional[Tensor] = None, c: Optional[Tensor] = None,
-            dots_with: Optional[Tensor] = None) -> Optional[Tensor]:
+            S: Optional[Tensor] = None, c: Optional[Tensor] = None, dots_with: Optional[Tensor] = None,
+            out2: Optional[Tensor] = None, e: Optional[Tensor] = None, G2: Optional[Tensor] = None) -> Optional[Tensor]:
     """`out = β W (+ c S) + α Aᵀ G` with per-batch β, c (one value per batch element, any shape), A `[batch, n, K]`,
     G `[batch, n, N]`; `out` may be W. With `dots_with` P, returns the per-batch dots `[batch, 2]`: ⟨P, W⟩ and
-    ⟨P, S⟩ (0 without S), of the inputs, read in the same pass (the backward pass's ∂β_n, ∂c_n, ∂e_n)."""
-    states = (out, W, S, dots_with)
-    if not _fits(W, A, G, *states) or not all(t is None or t.is_contiguous() for t in states) or G.stride(2) != 1:
-        return combine_reference(out, W, beta, A, G, alpha, S, c, dots_with)
-    flat = [t.reshape(-1).to(torch.float32).contiguous() if t is not None else None for t in (beta, c)]
-    dots = kernels().combine(out, W, flat[0], S, flat[1], A, G, float(alpha), dots_with)
+    ⟨P, S⟩ (0 without S), of the inputs, read in the same pass (the backward pass's ∂β_n, ∂c_n, ∂e_n). With
+    `out2` (and S), also `out2 = e S + α Aᵀ G2` from the same reads of S (the forward pass's W' and S')."""
+    states = (out, W, S, dots_with, out2)
+    if (not _fits(W, A, G, G2, *states) or not all(t is None or t.is_contiguous() for t in states)
+            or G.stride(2) != 1 or (G2 is not None and G2.stride() != G.stride())):
+        return combine_reference(out, W, beta, A, G, alpha, S, c, dots_with, out2, e, G2)
+    flat = [t.reshape(-1).to(torch.float32).contiguous() if t is not None else None for t in (beta, c, e)]
+    dots = kernels().combine(out, W, flat[0], S, flat[1], A, G, float(alpha), dots_with, out2, flat[2], G2)
     return dots.to(W.dtype) if dots_with is not None else None
