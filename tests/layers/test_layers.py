@@ -218,6 +218,25 @@ def test_persistent_tokens_are_prepended_and_input_independent():
         PersistentMemory(-1, 4)
 
 
+@pytest.mark.parametrize("kernel,with_bias", [(4, True), (4, False), (1, True), (3, True)])
+def test_conv_equals_conv1d_values_and_gradients(kernel, with_bias):
+    # The shifted multiply-adds against torch's depthwise conv1d on the zero-padded input (the plain reference).
+    from titans.layers import causal_depthwise_conv
+
+    x = randn(2, 9, 5).requires_grad_()
+    weight = randn(5, kernel, seed=1).requires_grad_()
+    bias = randn(5, seed=2).requires_grad_() if with_bias else None
+    y, _ = causal_depthwise_conv(x, weight, bias, None)
+    padded = F.pad(x.transpose(1, 2), (kernel - 1, 0))
+    ref = F.conv1d(padded, weight.unsqueeze(1), bias, groups=5).transpose(1, 2)
+    assert (y - ref).abs().max() <= 1e-14
+    g = randn(*y.shape, seed=3)
+    params = [t for t in (x, weight, bias) if t is not None]
+    grads = torch.autograd.grad(y, params, g)
+    ref_grads = torch.autograd.grad(ref, params, g)
+    assert all((a - b).abs().max() <= 1e-13 for a, b in zip(grads, ref_grads))
+
+
 def test_conv_streaming_and_causality():
     torch.manual_seed(0)
     conv = CausalDepthwiseConv(6, kernel=4).to(DT)

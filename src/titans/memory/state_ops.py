@@ -137,32 +137,36 @@ def _build():
     return None
 
 
-def _fits(W: Tensor, rows: Tensor, *others: Optional[Tensor]) -> bool:
-    if not (W.dtype == torch.float32 and W.device.type == "cpu" and W.dim() == 3 and W.is_contiguous()
-            and W.shape[-1] % 16 == 0 and rows.shape[1] >= MIN_ROWS):
-        return False
-    if any(t is not None and not (t.dtype == torch.float32 and t.device.type == "cpu") for t in (rows, *others)):
-        return False
-    return kernels() is not None
+def _kernels_for(W: Tensor, rows: Tensor, *others: Optional[Tensor]):
+    """The kernels if they serve these operands, else None. Called ~1000 times a training step: cheap checks first."""
+    if (W.dtype is not torch.float32 or not W.is_cpu or W.dim() != 3 or W.shape[-1] % 16 or rows.shape[1] < MIN_ROWS
+            or not W.is_contiguous() or rows.dtype is not torch.float32):
+        return None
+    for t in others:
+        if t is not None and (t.dtype is not torch.float32 or not t.is_cpu):
+            return None
+    return kernels()
 
 
 def xw(x: Tensor, W: Tensor, out: Optional[Tensor] = None, accumulate: bool = False) -> Tensor:
     """`out (+)= x W` for x `[batch, n, K]`, W `[batch, K, N]`."""
-    if not _fits(W, x, out) or (out is not None and not out.is_contiguous()):
+    ops = _kernels_for(W, x, out)
+    if ops is None or (out is not None and not out.is_contiguous()):
         return xw_reference(x, W, out, accumulate)
     if out is None:
         out = x.new_empty(x.shape[0], x.shape[1], W.shape[2])
-    kernels().xw(x, W, out, accumulate)
+    ops.xw(x, W, out, accumulate)
     return out
 
 
 def xwt(g: Tensor, W: Tensor, out: Optional[Tensor] = None, accumulate: bool = False) -> Tensor:
     """`out (+)= g Wᵀ` for g `[batch, n, N]`, W `[batch, K, N]`."""
-    if not _fits(W, g, out) or (out is not None and not out.is_contiguous()) or g.stride(2) != 1:
+    ops = _kernels_for(W, g, out)
+    if ops is None or (out is not None and not out.is_contiguous()) or g.stride(2) != 1:
         return xwt_reference(g, W, out, accumulate)
     if out is None:
         out = g.new_empty(g.shape[0], g.shape[1], W.shape[1])
-    kernels().xwt(g, W, out, accumulate)
+    ops.xwt(g, W, out, accumulate)
     return out
 
 
@@ -173,10 +177,11 @@ def combine(out: Tensor, W: Tensor, beta: Tensor, A: Tensor, G: Tensor, alpha: f
     G `[batch, n, N]`; `out` may be W. With `dots_with` P, returns the per-batch dots `[batch, 2]`: ⟨P, W⟩ and
     ⟨P, S⟩ (0 without S), of the inputs, read in the same pass (the backward pass's ∂β_n, ∂c_n, ∂e_n). With
     `out2` (and S), also `out2 = e S + α Aᵀ G2` from the same reads of S (the forward pass's W' and S')."""
-    states = (out, W, S, dots_with, out2)
-    if (not _fits(W, A, G, G2, *states) or not all(t is None or t.is_contiguous() for t in states)
-            or G.stride(2) != 1 or (G2 is not None and G2.stride() != G.stride())):
+    states = (out, S, dots_with, out2)
+    ops = _kernels_for(W, A, G, G2, beta, c, e, *states)
+    if (ops is None or not all(t is None or t.is_contiguous() for t in states) or G.stride(2) != 1
+            or (G2 is not None and G2.stride() != G.stride())):
         return combine_reference(out, W, beta, A, G, alpha, S, c, dots_with, out2, e, G2)
-    flat = [t.reshape(-1).to(torch.float32).contiguous() if t is not None else None for t in (beta, c, e)]
-    dots = kernels().combine(out, W, flat[0], S, flat[1], A, G, float(alpha), dots_with, out2, flat[2], G2)
+    factors = [t.reshape(-1) if t is not None else None for t in (beta, c, e)]
+    dots = ops.combine(out, W, factors[0], S, factors[1], A, G, float(alpha), dots_with, out2, factors[2], G2)
     return dots.to(W.dtype) if dots_with is not None else None

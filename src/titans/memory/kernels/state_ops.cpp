@@ -274,6 +274,16 @@ void check(const torch::Tensor& t, const char* name, int64_t dim) {
               name, ": expected a contiguous float32 CPU tensor with ", dim, " dimensions");
 }
 
+// Per-batch factors (β, c, e) may be strided views: read once into a vector.
+std::vector<float> batch_values(const torch::Tensor& t, const char* name, int64_t B) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat32 && t.dim() == 1 && t.size(0) == B, name,
+              ": expected a float32 CPU vector with one value per batch element");
+  const auto a = t.accessor<float, 1>();
+  std::vector<float> values(B);
+  for (int64_t b = 0; b < B; ++b) values[b] = a[b];
+  return values;
+}
+
 // The small operands may be any strided view: they are copied (transposed, padded) before use.
 void check_small(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat32 && t.dim() == 3, name,
@@ -343,14 +353,16 @@ torch::Tensor combine(torch::Tensor out, const torch::Tensor& W, const torch::Te
                       const torch::Tensor& A, const torch::Tensor& G, double alpha,
                       const c10::optional<torch::Tensor>& P, const c10::optional<torch::Tensor>& out2,
                       const c10::optional<torch::Tensor>& e, const c10::optional<torch::Tensor>& G2) {
-  check(out, "out", 3), check(W, "W", 3), check(beta, "beta", 1), check_small(A, "A"), check_small(G, "G");
+  check(out, "out", 3), check(W, "W", 3), check_small(A, "A"), check_small(G, "G");
   const int64_t B = W.size(0), K = W.size(1), N = W.size(2), M = A.size(1), Mp = round_up(M, R);
-  TORCH_CHECK(N % V == 0 && out.sizes() == W.sizes() && beta.size(0) == B && A.size(0) == B && A.size(2) == K &&
+  TORCH_CHECK(N % V == 0 && out.sizes() == W.sizes() && A.size(0) == B && A.size(2) == K &&
               G.size(0) == B && G.size(1) == M && G.size(2) == N && G.stride(2) == 1, "combine: shapes do not fit");
   TORCH_CHECK(S.has_value() == c.has_value(), "combine: S and c go together");
+  const auto betas = batch_values(beta, "beta", B);
+  const auto cs = S ? batch_values(*c, "c", B) : std::vector<float>(B, 0.0f);
   if (S) {
-    check(*S, "S", 3), check(*c, "c", 1);
-    TORCH_CHECK(S->sizes() == W.sizes() && c->size(0) == B, "combine: S and c do not fit W");
+    check(*S, "S", 3);
+    TORCH_CHECK(S->sizes() == W.sizes(), "combine: S does not fit W");
   }
   if (P) {
     check(*P, "P", 3);
@@ -358,19 +370,20 @@ torch::Tensor combine(torch::Tensor out, const torch::Tensor& W, const torch::Te
   }
   TORCH_CHECK(out2.has_value() == e.has_value() && e.has_value() == G2.has_value() && (!out2 || S),
               "combine: out2, e and G2 go together, and need S");
+  const auto es = out2 ? batch_values(*e, "e", B) : std::vector<float>(B, 0.0f);
   if (out2) {
-    check(*out2, "out2", 3), check(*e, "e", 1), check_small(*G2, "G2");
-    TORCH_CHECK(out2->sizes() == W.sizes() && e->size(0) == B && G2->sizes() == G.sizes() &&
-                G2->strides() == G.strides(), "combine: out2, e or G2 do not fit");
+    check(*out2, "out2", 3), check_small(*G2, "G2");
+    TORCH_CHECK(out2->sizes() == W.sizes() && G2->sizes() == G.sizes() && G2->strides() == G.strides(),
+                "combine: out2 or G2 do not fit");
   }
   const auto at_ = transpose_padded(A, Mp);
   const Rows g(G);
   const int64_t parts = parts_per_batch(B, K);
-  const float *wp = W.data_ptr<float>(), *bp = beta.data_ptr<float>();
-  const float *sp = S ? S->data_ptr<float>() : nullptr, *cp = S ? c->data_ptr<float>() : nullptr;
+  const float* wp = W.data_ptr<float>();
+  const float* sp = S ? S->data_ptr<float>() : nullptr;
   const float* pp = P ? P->data_ptr<float>() : nullptr;
   float *op = out.data_ptr<float>(), *o2 = out2 ? out2->data_ptr<float>() : nullptr;
-  const float *ep = out2 ? e->data_ptr<float>() : nullptr, *g2 = out2 ? G2->data_ptr<float>() : nullptr;
+  const float* g2 = out2 ? G2->data_ptr<float>() : nullptr;
   std::vector<double> partial(B * parts * 2, 0.0);  // one slot per task: no sharing between threads
   using Range = decltype(&combine_range<8, false>);
   const auto pick = [&](auto two) -> Range {
@@ -383,8 +396,8 @@ torch::Tensor combine(torch::Tensor out, const torch::Tensor& W, const torch::Te
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = t / parts, off = b * K * N;
       const auto [k0, k1] = part_range(K, parts, t % parts, 1);
-      run(op + off, wp + off, bp[b], sp ? sp + off : nullptr, sp ? cp[b] : 0.0f, pp ? pp + off : nullptr,
-          partial.data() + 2 * t, o2 ? o2 + off : nullptr, o2 ? ep[b] : 0.0f, o2 ? g2 + b * g.batch_stride : nullptr,
+      run(op + off, wp + off, betas[b], sp ? sp + off : nullptr, cs[b], pp ? pp + off : nullptr,
+          partial.data() + 2 * t, o2 ? o2 + off : nullptr, es[b], o2 ? g2 + b * g.batch_stride : nullptr,
           at_.data() + b * K * Mp, Mp, g.data + b * g.batch_stride, M, g.row_stride, static_cast<float>(alpha), N,
           k0, k1);
     }
