@@ -4,7 +4,7 @@ import json
 
 from typer.testing import CliRunner
 
-from titans.bench.memory import BenchPoint, format_table
+from titans.bench.memory import BenchPoint, best_of, format_table
 from titans.cli import app
 
 
@@ -28,3 +28,23 @@ def test_table_has_a_ratio_only_where_both_ran():
     long = BenchPoint("titans", 8192, 4, fwd_tok_s=4000.0, fwd_bwd_tok_s=1800.0, peak_mib=1500.0)
     rows = format_table([ours, ref, long, oom]).splitlines()[2:]
     assert rows[0].endswith("| 10.0x |") and "out of memory" in rows[1] and rows[1].endswith("| - |")
+
+
+def test_rounds_alternate_and_keep_the_best_of_each(tmp_path):
+    out = tmp_path / "bench.json"
+    result = CliRunner().invoke(app, ["bench", "memory", "--lengths", "16", "--dim", "8", "--expansion", "2",
+                                      "--chunk-size", "4", "--batch", "2", "--warmup", "0", "--repeats", "1",
+                                      "--rounds", "2", "--no-reference", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert result.output.count("   titans seq     16: ok") == 2 and "best of 2 round(s)" in result.output
+    assert [p["seq_len"] for p in json.loads(out.read_text())] == [16]
+
+
+def test_best_of_takes_the_fastest_runs_and_the_highest_peak():
+    runs = [BenchPoint("titans", 512, 4, fwd_tok_s=10.0, fwd_bwd_tok_s=3.0, peak_mib=700.0),
+            BenchPoint("titans", 512, 4, status="timeout (> 900 s)"),
+            BenchPoint("titans", 512, 4, fwd_tok_s=8.0, fwd_bwd_tok_s=4.0, peak_mib=750.0)]
+    best = best_of(runs)
+    assert (best.status, best.fwd_tok_s, best.fwd_bwd_tok_s, best.peak_mib) == ("ok", 10.0, 4.0, 750.0)
+    failed = [BenchPoint("reference", 4096, 4, status="out of memory")] * 2
+    assert best_of(failed).status == "out of memory"

@@ -36,6 +36,8 @@ def memory(
     expansion: int = typer.Option(4, min=1),
     chunk_size: int = typer.Option(16, min=1),
     repeats: int = typer.Option(2, min=1, help="Timed iterations per point (the best is reported)."),
+    rounds: int = typer.Option(1, min=1, help="Runs of each point, ours and the reference alternating, so that both "
+                                              "see the same phases of a noisy machine; the best of each is reported."),
     warmup: int = typer.Option(2, min=0, help="Untimed iterations first (allocator and caches reach steady state)."),
     reference: bool = typer.Option(True, help="Also measure titans-pytorch==0.5.5 when installed."),
     reference_lengths: Optional[str] = typer.Option(
@@ -49,7 +51,7 @@ def memory(
     out: Optional[Path] = typer.Option(None, help="Write the points as JSON here."),
 ) -> None:
     """NeuralMemory tokens/s (forward, forward+backward) and peak memory, against the reference."""
-    from .memory import format_table, reference_available, run_point
+    from .memory import best_of, format_table, reference_available, run_point
 
     seq_lens = _int_list(lengths, "lengths")
     spec = dict(batch=batch, dim=dim, heads=heads, depth=depth, expansion=expansion, chunk_size=chunk_size,
@@ -62,15 +64,17 @@ def memory(
     ref_lens = set(_int_list(reference_lengths, "reference_lengths")) if reference_lengths else set(seq_lens)
     points = []
     for seq in seq_lens:
-        for impl in impls:
-            if impl == "reference" and seq not in ref_lens:
-                continue
-            point = run_point({**spec, "impl": impl, "seq_len": seq}, memory_cap_gib, timeout_s, release_memory)
-            typer.echo(f"{impl:>9} seq {seq:>6}: {point.status}, fwd {point.fwd_tok_s or 0:.0f} tok/s, "
-                       f"fwd+bwd {point.fwd_bwd_tok_s or 0:.0f} tok/s, peak {point.peak_mib or 0:.0f} MiB", err=True)
-            points.append(point)
+        runs: dict[str, list] = {impl: [] for impl in impls if impl == "titans" or seq in ref_lens}
+        for _ in range(rounds):
+            for impl, done in runs.items():
+                point = run_point({**spec, "impl": impl, "seq_len": seq}, memory_cap_gib, timeout_s, release_memory)
+                typer.echo(f"{impl:>9} seq {seq:>6}: {point.status}, fwd {point.fwd_tok_s or 0:.0f} tok/s, "
+                           f"fwd+bwd {point.fwd_bwd_tok_s or 0:.0f} tok/s, peak {point.peak_mib or 0:.0f} MiB", err=True)
+                done.append(point)
+        points.extend(best_of(done) for done in runs.values())
     typer.echo(f"NeuralMemory dim {dim}, heads {heads}, depth {depth}, expansion {expansion}, chunk {chunk_size}, "
-               f"batch {batch}; {__import__('torch').get_num_threads()} threads; allocator: "
+               f"batch {batch}; best of {rounds} round(s) × {repeats} iteration(s); "
+               f"{__import__('torch').get_num_threads()} threads; allocator: "
                + ("MALLOC_MMAP_THRESHOLD_=131072" if release_memory else "glibc default"))
     typer.echo(format_table(points))
     if out is not None:

@@ -87,6 +87,16 @@ def _worker(spec: dict) -> BenchPoint:
     return point
 
 
+def best_of(points: list[BenchPoint]) -> BenchPoint:
+    """One point from several runs of the same (implementation, length): the best throughputs of the runs that
+    finished, and the highest peak (the conservative one); a failure only if every run failed."""
+    done = [p for p in points if p.status == "ok"]
+    if not done:
+        return points[-1]
+    return BenchPoint(done[0].impl, done[0].seq_len, done[0].batch, "ok", max(p.fwd_tok_s for p in done),
+                      max(p.fwd_bwd_tok_s for p in done), max(p.peak_mib for p in done))
+
+
 def run_point(spec: dict, memory_cap_gib: float, timeout_s: float, release_memory: bool = False) -> BenchPoint:
     """Run one point in a subprocess with an address-space cap and a time limit.
 
