@@ -7,9 +7,11 @@ on allocator traffic around those matmuls: a fresh state tensor per chunk page-f
 state used four times are summed in four fresh tensors, slicing a stacked state allocates zeros. Here
 
 * the forward pass writes each chunk's new state into one of two reused buffers (in place, `out=`);
-* the backward pass is written by hand (derivation in `_chunk_backward`), accumulating the gradient of
-  the state in place with rank-n `baddbmm_` updates; only the tiny gate algebra (η, α → decays, a few
-  n × n matrices) goes through autograd;
+* the backward pass is written by hand (derivation in `_chunk_backward`), writing the gradient of each state
+  in one pass with its rank-n updates; only the tiny gate algebra (η, α → decays, a few n × n matrices) goes
+  through autograd;
+* every state-sized operation (`x W`, `g Wᵀ`, the updates) goes through `state_ops.py`: C++ kernels for float32
+  on AVX-512 CPUs, each beside its ATen reference;
 * the states of a group of chunks are recomputed in the backward pass from a saved group boundary
   (activation checkpointing); with groups of √chunks (NeuralMemory's choice beyond 64 chunks) memory
   holds O(√chunks) states;
