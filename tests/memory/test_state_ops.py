@@ -118,7 +118,7 @@ def test_without_kernels_the_library_warns_once_and_uses_the_references(monkeypa
 def test_kernels_demanded_but_unavailable_is_an_error(monkeypatch):
     monkeypatch.setenv("TITANS_KERNELS", "1")
     monkeypatch.setattr(state_ops, "_loaded", {})
-    monkeypatch.setattr(state_ops, "_why_not_buildable", lambda: "no C++ compiler (c++ or $CXX) on PATH")
+    monkeypatch.setattr(state_ops, "_why_not_buildable", lambda flags: "no C++ compiler (c++ or $CXX) on PATH")
     with pytest.raises(RuntimeError, match="TITANS_KERNELS=1 but the state kernels are unavailable: no C\\+\\+ compiler"):
         state_ops.kernels()
 

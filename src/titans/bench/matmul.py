@@ -54,10 +54,10 @@ def stream_gib_s(mib: int, repeats: int) -> float:
     return mib / 1024 / _best_seconds(lambda: x.sum(), 1, repeats)
 
 
-def implementations(rows: int, d_in: int, d_out: int) -> dict[str, Callable[..., torch.Tensor]]:
-    """ATen's bmm, and our kernel where it serves these shapes (float32, widths multiples of 16, ≥ 8 rows)."""
+def implementations(x: torch.Tensor, W: torch.Tensor) -> dict[str, Callable[..., torch.Tensor]]:
+    """ATen's bmm, and our kernel where the scan would use it for these operands (`state_ops.kernels_for`)."""
     found: dict[str, Callable[..., torch.Tensor]] = {"ATen bmm": torch.bmm}
-    if state_ops.kernels() is not None and d_in % 16 == 0 and d_out % 16 == 0 and rows >= state_ops.MIN_ROWS:
+    if state_ops.kernels_for(W, x) is not None:
         found["titans kernel"] = state_ops.xw
     return found
 
@@ -72,7 +72,7 @@ def measure(rows: int, d_in: int, d_out: int, batch: int, dram_mib: int, repeats
         states = [torch.randn(batch, K, N) for _ in range(count)]
         x = torch.randn(batch, rows, K)
         out = torch.empty(batch, rows, N)
-        for name, product in implementations(rows, d_in, d_out).items():
+        for name, product in implementations(x, states[0]).items():
             # cache: the same state every call; DRAM: each call the next of `count` states
             for source, supply, calls in (("cache", itertools.repeat(states[0]), 8),
                                           ("DRAM", itertools.cycle(states), count)):

@@ -81,12 +81,11 @@ _lock = threading.Lock()
 _loaded: dict[str, object] = {}
 
 
-def _why_not_buildable() -> Optional[str]:
+def _why_not_buildable(flags: set[str]) -> Optional[str]:
     if os.environ.get("TITANS_KERNELS", "1") == "0":
         return "TITANS_KERNELS=0"
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
         return f"no kernels for {platform.system()} {platform.machine()}"
-    flags = _cpu_flags()
     if "avx512f" not in flags:
         return "the CPU lacks AVX-512"
     if not shutil.which(os.environ.get("CXX", "c++")):
@@ -117,13 +116,14 @@ def kernels():
 
 
 def _build():
-    reason = _why_not_buildable()
+    flags = _cpu_flags()
+    reason = _why_not_buildable(flags)
     if reason is None:
         from torch.utils.cpp_extension import load
 
         # -march=native: the build is for this CPU; its flags are in the name so that a cache directory shared
         # with another machine never hands it a binary for other instructions.
-        digest = hashlib.sha1(" ".join(sorted(_cpu_flags())).encode()).hexdigest()[:10]
+        digest = hashlib.sha1(" ".join(sorted(flags)).encode()).hexdigest()[:10]
         try:
             return load(f"titans_state_ops_{digest}", [str(_SOURCE)], extra_cflags=["-O3", "-march=native", "-fopenmp"],
                         extra_ldflags=["-fopenmp"], verbose=False)
@@ -137,8 +137,10 @@ def _build():
     return None
 
 
-def _kernels_for(W: Tensor, rows: Tensor, *others: Optional[Tensor]):
-    """The kernels if they serve these operands, else None. Called ~1000 times a training step: cheap checks first."""
+def kernels_for(W: Tensor, rows: Tensor, *others: Optional[Tensor]):
+    """The kernels if they serve these operands (W the state, `rows` the small operand), else None: the one place
+    that decides, for the scan and for `titans bench matmul`. Called ~1000 times a training step: cheap checks
+    first."""
     if (W.dtype is not torch.float32 or not W.is_cpu or W.dim() != 3 or W.shape[-1] % 16 or rows.shape[1] < MIN_ROWS
             or not W.is_contiguous() or rows.dtype is not torch.float32):
         return None
@@ -150,7 +152,7 @@ def _kernels_for(W: Tensor, rows: Tensor, *others: Optional[Tensor]):
 
 def xw(x: Tensor, W: Tensor, out: Optional[Tensor] = None, accumulate: bool = False) -> Tensor:
     """`out (+)= x W` for x `[batch, n, K]`, W `[batch, K, N]`."""
-    ops = _kernels_for(W, x, out)
+    ops = kernels_for(W, x, out)
     if ops is None or (out is not None and not out.is_contiguous()):
         return xw_reference(x, W, out, accumulate)
     if out is None:
@@ -161,7 +163,7 @@ def xw(x: Tensor, W: Tensor, out: Optional[Tensor] = None, accumulate: bool = Fa
 
 def xwt(g: Tensor, W: Tensor, out: Optional[Tensor] = None, accumulate: bool = False) -> Tensor:
     """`out (+)= g Wᵀ` for g `[batch, n, N]`, W `[batch, K, N]`."""
-    ops = _kernels_for(W, g, out)
+    ops = kernels_for(W, g, out)
     if ops is None or (out is not None and not out.is_contiguous()) or g.stride(2) != 1:
         return xwt_reference(g, W, out, accumulate)
     if out is None:
@@ -178,7 +180,7 @@ def combine(out: Tensor, W: Tensor, beta: Tensor, A: Tensor, G: Tensor, alpha: f
     ⟨P, S⟩ (0 without S), of the inputs, read in the same pass (the backward pass's ∂β_n, ∂c_n, ∂e_n). With
     `out2` (and S), also `out2 = e S + α Aᵀ G2` from the same reads of S (the forward pass's W' and S')."""
     states = (out, S, dots_with, out2)
-    ops = _kernels_for(W, A, G, G2, beta, c, e, *states)
+    ops = kernels_for(W, A, G, G2, beta, c, e, *states)
     if (ops is None or not all(t is None or t.is_contiguous() for t in states) or G.stride(2) != 1
             or (G2 is not None and G2.stride() != G.stride())):
         return combine_reference(out, W, beta, A, G, alpha, S, c, dots_with, out2, e, G2)

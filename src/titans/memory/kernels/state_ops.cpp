@@ -159,7 +159,7 @@ void xwt_range(const float* gt, int64_t Mp, const float* W, float* Y, int64_t M,
 // Row k of W is contiguous. Columns go in blocks of up to 256: a row block of G (16 KiB, packed) stays in L1 while
 // the rows of W stream past; each block's sums are reduced across lanes and added into Y.
 void xwt_dots_range(const float* G, int64_t ld, const float* W, float* Y, int64_t M, int64_t K, int64_t N,
-               int64_t k0, int64_t k1, bool accumulate) {
+                    int64_t k0, int64_t k1, bool accumulate) {
   alignas(64) float sums[R];
   const int64_t Mp = round_up(M, R), block = std::min<int64_t>(N, 256);
   std::vector<float> packed(Mp * block);
