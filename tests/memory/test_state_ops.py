@@ -68,6 +68,28 @@ def test_combine_matches_its_reference(shape):
 
 
 @needs_kernels
+@pytest.mark.parametrize("with_second", [False, True])
+def test_combine_reads_blocks_of_rows_in_place(with_second):
+    # The backward pass hands its rank-n terms over as blocks of rows (h, ∂m, a with their partners), some of them
+    # strided views, instead of concatenating them; blocks of different heights cross the 16-row register blocks.
+    B, K, N = 2, 64, 128
+    heights = [16, 9, 23]
+    A = [torch.randn(B, 2 * m, K)[:, ::2] for m in heights]  # rows 2·K apart
+    G = [torch.randn(B, m, N) for m in heights]
+    G2 = [torch.randn(B, N + 16, m).transpose(1, 2)[:, :, :N].contiguous() for m in heights] if with_second else None
+    W, S, beta, c, e = torch.randn(B, K, N), torch.randn(B, K, N), torch.rand(B), torch.rand(B), torch.rand(B)
+    out, out2 = torch.full_like(W, float("nan")), torch.full_like(W, float("nan")) if with_second else None
+    state_ops.combine(out, W, beta, A, G, 0.5, S=S, c=c, out2=out2, e=e if with_second else None, G2=G2)
+    At = torch.cat(A, 1).double().transpose(1, 2)
+    exact = (beta.double().view(-1, 1, 1) * W.double() + c.double().view(-1, 1, 1) * S.double()
+             + 0.5 * At @ torch.cat(G, 1).double())
+    assert rel_err(out, exact) < 1e-5
+    if with_second:
+        exact2 = e.double().view(-1, 1, 1) * S.double() + 0.5 * At @ torch.cat(G2, 1).double()
+        assert rel_err(out2, exact2) < 1e-5
+
+
+@needs_kernels
 def test_kernels_honour_views_of_the_small_operands():
     # The scan passes slices of [batch, seq, d] tensors (rows strided) and transposed gate products.
     B, n, K, N = 2, 16, 64, 128

@@ -130,6 +130,7 @@ class ChunkCache(NamedTuple):
     p: list[Tensor]  # pre-activations on the keys, p_i = a_i W_i
     m: list[Tensor]  # m_i = δ_{i+1} W_{i+1}ᵀ (so δ_i = m_i ⊙ σ'(p_i)); None for the last layer
     delta: list[Tensor]  # δ_i = ∂ℓ/∂p_i per token
+    dsigma: list[Tensor]  # σ'(p_i); None for the last layer
     h: list[Tensor]  # layer inputs on the queries, h_1 = q
     hW: list[Tensor]  # h_i W_i⁰
     hS: list[Tensor]  # h_i S_i⁰
@@ -152,10 +153,15 @@ def _chunk_forward(
     out, a, p = forward_cached(k, W, cfg.activation, cfg.residual, matmul=xw)
     delta: list[Tensor] = [None] * depth  # type: ignore[list-item]
     m: list[Tensor] = [None] * depth  # type: ignore[list-item]
+    dsigma: list[Tensor] = [None] * depth  # type: ignore[list-item]
     delta[-1] = 2.0 * (out - v)
     for i in range(depth - 2, -1, -1):
         m[i] = xwt(delta[i + 1], W[i + 1])
-        delta[i] = sigma_vjp(m[i], p[i])
+        if cfg.record:  # the backward pass multiplies by σ'(p_i) twice more: evaluate it once
+            dsigma[i] = sigma_vjp(torch.ones_like(p[i]), p[i])
+            delta[i] = m[i] * dsigma[i]
+        else:
+            delta[i] = sigma_vjp(m[i], p[i])
     scale = sq_norm = None
     if cfg.max_grad_norm is not None:
         sq_norm = token_grad_sq_norm(a, delta)
@@ -187,7 +193,7 @@ def _chunk_forward(
         for i in range(depth):
             combine(new_state[2 * i], W[i], dec.beta[:, -1], a[i], u_w * delta[i], -1.0, S=S[i], c=dec.c[:, -1],
                     out2=new_state[2 * i + 1], e=dec.e_last, G2=u_m * delta[i])
-    return ChunkCache(a, p, m, delta, h_list, hW, hS, r_list, theta, scale, sq_norm, C)
+    return ChunkCache(a, p, m, delta, dsigma, h_list, hW, hS, r_list, theta, scale, sq_norm, C)
 
 
 # --- one chunk, backward -----------------------------------------------------------------------------
@@ -246,8 +252,8 @@ def _chunk_backward(
     d_c = torch.zeros_like(dec.c)
     d_C = torch.zeros_like(C)
     beta, c = dec.beta.unsqueeze(-1), dec.c.unsqueeze(-1)
-    # Rank-n terms of ∂L/∂W_i are collected and applied as one matmul over all of them (K = 2n or 3n rows
-    # instead of three K = n updates: fewer passes over the state, better matmul efficiency).
+    # Rank-n terms of ∂L/∂W_i are collected and applied in one pass over all of them (K = 2n or 3n rows instead
+    # of three K = n updates: fewer passes over the state), read in place as blocks of rows.
     w_left: list[list[Tensor]] = [[] for _ in range(depth)]
     w_right: list[list[Tensor]] = [[] for _ in range(depth)]
     d_r = dy
@@ -295,7 +301,7 @@ def _chunk_backward(
     # 4. δ recursion: δ_i = m_i ⊙ σ'(p_i), m_i = δ_{i+1} W_{i+1}ᵀ.
     d_p: list[Optional[Tensor]] = [None] * depth
     for i in range(depth - 1):
-        d_m = sigma_vjp(d_delta[i], p[i])
+        d_m = d_delta[i] * cache.dsigma[i]
         d_p[i] = d_delta[i] * m[i] * sigma_grad2(p[i])
         w_left[i + 1].append(d_m)
         w_right[i + 1].append(delta[i + 1])
@@ -309,11 +315,10 @@ def _chunk_backward(
     for i in range(depth - 1, -1, -1):
         w_left[i].append(a[i])
         w_right[i].append(d_p[i])
-        d_beta_n += combine(dW[i], dW_new[i], dec.beta[:, -1], torch.cat(w_left[i], 1), torch.cat(w_right[i], 1), 1.0,
-                            dots_with=W[i])[:, 0]
+        d_beta_n += combine(dW[i], dW_new[i], dec.beta[:, -1], w_left[i], w_right[i], 1.0, dots_with=W[i])[:, 0]
         xwt(d_p[i], W[i], out=d_a[i], accumulate=True)
         if i > 0:
-            d_p[i - 1] += sigma_vjp(d_a[i], p[i - 1])
+            d_p[i - 1].addcmul_(d_a[i], cache.dsigma[i - 1])
         else:
             d_k += d_a[0]
 

@@ -29,13 +29,14 @@ import shutil
 import threading
 import warnings
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence, Union
 
 import torch
 from torch import Tensor
 
 _SOURCE = Path(__file__).with_name("kernels") / "state_ops.cpp"
 MIN_ROWS = 8  # below this the zero-padded 16-row register blocks waste more than the kernels gain
+Rows = Union[Tensor, Sequence[Tensor]]  # a small operand, or blocks of its rows: [batch, m_j, d] stacked along m
 
 # --- the references ----------------------------------------------------------------------------------
 
@@ -50,10 +51,11 @@ def xwt_reference(g: Tensor, W: Tensor, out: Optional[Tensor] = None, accumulate
     return xw_reference(g, W.transpose(1, 2), out, accumulate)
 
 
-def combine_reference(out: Tensor, W: Tensor, beta: Tensor, A: Tensor, G: Tensor, alpha: float,
+def combine_reference(out: Tensor, W: Tensor, beta: Tensor, A: Rows, G: Rows, alpha: float,
                       S: Optional[Tensor] = None, c: Optional[Tensor] = None, dots_with: Optional[Tensor] = None,
                       out2: Optional[Tensor] = None, e: Optional[Tensor] = None,
-                      G2: Optional[Tensor] = None) -> Optional[Tensor]:
+                      G2: Optional[Rows] = None) -> Optional[Tensor]:
+    A, G, G2 = (torch.cat(x, 1) if isinstance(x, (list, tuple)) else x for x in (A, G, G2))
     if out2 is not None:
         combine_reference(out2, S, e, A, G2, alpha)
     dots = None
@@ -172,18 +174,21 @@ def xwt(g: Tensor, W: Tensor, out: Optional[Tensor] = None, accumulate: bool = F
     return out
 
 
-def combine(out: Tensor, W: Tensor, beta: Tensor, A: Tensor, G: Tensor, alpha: float,
+def combine(out: Tensor, W: Tensor, beta: Tensor, A: Rows, G: Rows, alpha: float,
             S: Optional[Tensor] = None, c: Optional[Tensor] = None, dots_with: Optional[Tensor] = None,
-            out2: Optional[Tensor] = None, e: Optional[Tensor] = None, G2: Optional[Tensor] = None) -> Optional[Tensor]:
+            out2: Optional[Tensor] = None, e: Optional[Tensor] = None, G2: Optional[Rows] = None) -> Optional[Tensor]:
     """`out = β W (+ c S) + α Aᵀ G` with per-batch β, c (one value per batch element, any shape), A `[batch, n, K]`,
-    G `[batch, n, N]`; `out` may be W. With `dots_with` P, returns the per-batch dots `[batch, 2]`: ⟨P, W⟩ and
-    ⟨P, S⟩ (0 without S), of the inputs, read in the same pass (the backward pass's ∂β_n, ∂c_n, ∂e_n). With
-    `out2` (and S), also `out2 = e S + α Aᵀ G2` from the same reads of S (the forward pass's W' and S')."""
+    G `[batch, n, N]`, each a tensor or a list of blocks of its rows (block j of A and of G with the same rows: the
+    blocks are read in place, not concatenated); `out` may be W. With `dots_with` P, returns the per-batch dots
+    `[batch, 2]`: ⟨P, W⟩ and ⟨P, S⟩ (0 without S), of the inputs, read in the same pass (the backward pass's ∂β_n,
+    ∂c_n, ∂e_n). With `out2` (and S), also `out2 = e S + α Aᵀ G2` from the same reads of S (the forward pass's W'
+    and S')."""
+    A_, G_, G2_ = ([x] if isinstance(x, Tensor) else list(x) if x is not None else None for x in (A, G, G2))
     states = (out, S, dots_with, out2)
-    ops = kernels_for(W, A, G, G2, beta, c, e, *states)
-    if (ops is None or not all(t is None or t.is_contiguous() for t in states) or G.stride(2) != 1
-            or (G2 is not None and G2.stride() != G.stride())):
-        return combine_reference(out, W, beta, A, G, alpha, S, c, dots_with, out2, e, G2)
+    ops = kernels_for(W, A_[0], *A_, *G_, *(G2_ or ()), beta, c, e, *states)
+    if (ops is None or not all(t is None or t.is_contiguous() for t in states)
+            or any(g.stride(2) != 1 for g in G_ + (G2_ or []))):
+        return combine_reference(out, W, beta, A_, G_, alpha, S, c, dots_with, out2, e, G2_)
     factors = [t.reshape(-1) if t is not None else None for t in (beta, c, e)]
-    dots = ops.combine(out, W, factors[0], S, factors[1], A, G, float(alpha), dots_with, out2, factors[2], G2)
+    dots = ops.combine(out, W, factors[0], S, factors[1], A_, G_, float(alpha), dots_with, out2, factors[2], G2_)
     return dots.to(W.dtype) if dots_with is not None else None

@@ -24,25 +24,47 @@ constexpr int64_t PREFETCH_ROWS = 8;
 
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
-// [B, M, K] (any strides) -> [B][K][Mp] with Mp = M rounded up to R and zero rows: row block r of column k is
+// A small operand given as blocks of rows: [B, m_j, K] tensors (any strides) stacked along the rows, M = Σ m_j
+// rows in all. The backward pass's updates collect their rank-n terms from several tensors; reading them in place
+// saves the concatenation (2% of a training step).
+using RowBlocks = std::vector<torch::Tensor>;
+
+int64_t total_rows(const RowBlocks& x) {
+  int64_t M = 0;
+  for (const auto& t : x) M += t.size(1);
+  return M;
+}
+
+// RowBlocks [B, M, K] -> [B][K][Mp] with Mp = M rounded up to R and zero rows: row block r of column k is
 // contiguous, and the padding rows contribute zeros, so the inner loops never test the row count. Plain loops:
 // two ATen calls (zeros, copy_) per product cost more than the copy itself.
-std::vector<float> transpose_padded(const torch::Tensor& x, int64_t Mp) {
-  const int64_t B = x.size(0), M = x.size(1), K = x.size(2);
-  const auto a = x.accessor<float, 3>();
+std::vector<float> transpose_padded(const RowBlocks& x, int64_t Mp) {
+  const int64_t B = x[0].size(0), K = x[0].size(2);
   std::vector<float> out(B * K * Mp, 0.0f);
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t r = 0; r < M; ++r)
-      for (int64_t k = 0; k < K; ++k) out[(b * K + k) * Mp + r] = a[b][r][k];
+  int64_t row = 0;
+  for (const auto& t : x) {
+    const auto a = t.accessor<float, 3>();
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t r = 0; r < t.size(1); ++r)
+        for (int64_t k = 0; k < K; ++k) out[(b * K + k) * Mp + row + r] = a[b][r][k];
+    row += t.size(1);
+  }
   return out;
 }
 
-// A row-strided [B, M, N] operand (inner stride 1), read through `pack_columns`.
-struct Rows {
-  const float* data;
-  int64_t batch_stride, row_stride;
-  Rows(const torch::Tensor& t) : data(t.data_ptr<float>()), batch_stride(t.stride(0)), row_stride(t.stride(1)) {}
-};
+// Where each row of RowBlocks [B, M, N] (inner stride 1) starts: [B][M] pointers, read through `pack_columns`.
+std::vector<const float*> row_pointers(const RowBlocks& x) {
+  const int64_t B = x[0].size(0), M = total_rows(x);
+  std::vector<const float*> rows(B * M);
+  int64_t row = 0;
+  for (const auto& t : x) {
+    const float* data = t.data_ptr<float>();
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t r = 0; r < t.size(1); ++r) rows[b * M + row + r] = data + b * t.stride(0) + r * t.stride(1);
+    row += t.size(1);
+  }
+  return rows;
+}
 
 // Splits `extent` (a multiple of `align`) into `parts` aligned ranges.
 std::pair<int64_t, int64_t> part_range(int64_t extent, int64_t parts, int64_t part, int64_t align) {
@@ -112,11 +134,11 @@ inline __m512 reduce16(const __m512* a) {
   return _mm512_permutexvar_ps(order, s);
 }
 
-// Copies rows [0, M) × columns [n0, n0 + 16·nv) of G (row stride ld) to `dst` as [Mp][nv][16], contiguous. Rows
-// of G are 4·N bytes apart; with N = 1024 all 16 of a block would fall in one L1 set (8 ways) and evict each other.
-// Rows from M to Mp are zeros.
-void pack_columns(const float* G, int64_t M, int64_t ld, int64_t Mp, int64_t n0, int64_t nv, float* dst) {
-  for (int64_t r = 0; r < M; ++r) std::copy(G + r * ld + n0, G + r * ld + n0 + nv * V, dst + r * nv * V);
+// Copies rows [0, M) × columns [n0, n0 + 16·nv) of G (row r starting at G[r]) to `dst` as [Mp][nv][16],
+// contiguous. Rows of G are 4·N bytes apart; with N = 1024 all 16 of a block would fall in one L1 set (8 ways) and
+// evict each other. Rows from M to Mp are zeros.
+void pack_columns(const float* const* G, int64_t M, int64_t Mp, int64_t n0, int64_t nv, float* dst) {
+  for (int64_t r = 0; r < M; ++r) std::copy(G[r] + n0, G[r] + n0 + nv * V, dst + r * nv * V);
   std::fill(dst + M * nv * V, dst + Mp * nv * V, 0.0f);
 }
 
@@ -155,10 +177,10 @@ void xwt_range(const float* gt, int64_t Mp, const float* W, float* Y, int64_t M,
 }
 
 // Y[:, k0:k1] (=|+=) G Wᵀ for one batch element by dot products, Y[r, k] = G[r, :] · W[k, :], for wide W
-// (N > 256); G has M rows, ld apart.
+// (N > 256); row r of G starts at G[r].
 // Row k of W is contiguous. Columns go in blocks of up to 256: a row block of G (16 KiB, packed) stays in L1 while
 // the rows of W stream past; each block's sums are reduced across lanes and added into Y.
-void xwt_dots_range(const float* G, int64_t ld, const float* W, float* Y, int64_t M, int64_t K, int64_t N,
+void xwt_dots_range(const float* const* G, const float* W, float* Y, int64_t M, int64_t K, int64_t N,
                     int64_t k0, int64_t k1, bool accumulate) {
   alignas(64) float sums[R];
   const int64_t Mp = round_up(M, R), block = std::min<int64_t>(N, 256);
@@ -166,7 +188,7 @@ void xwt_dots_range(const float* G, int64_t ld, const float* W, float* Y, int64_
   for (int64_t n0 = 0; n0 < N; n0 += block) {
     const int64_t nv = (std::min(N, n0 + block) - n0) / V;  // the last block may be narrower
     const bool add = accumulate || n0 > 0;
-    pack_columns(G, M, ld, Mp, n0, nv, packed.data());
+    pack_columns(G, M, Mp, n0, nv, packed.data());
     for (int64_t k = k0; k < k1; ++k) {
       const float* w = W + k * N + n0;
       if (k + PREFETCH_ROWS < k1)
@@ -194,22 +216,22 @@ void xwt_dots_range(const float* G, int64_t ld, const float* W, float* Y, int64_
 
 // out[k0:k1, :] = β W (+ c S) + α Aᵀ G for one batch element; with TWO also out2 = e S + α Aᵀ G2 from the same
 // reads (the forward pass's W' and S'); with P the dots ⟨P, W⟩, ⟨P, S⟩ over those rows (the backward pass's ∂β_n,
-// ∂c_n, ∂e_n). at: A transposed and padded ([K, Mp]); G, G2 have M rows, ld apart. `out` may be W (an in-place
+// ∂c_n, ∂e_n). at: A transposed and padded ([K, Mp]); rows r of G, G2 start at G[r], G2[r]. `out` may be W (an in-place
 // update). Columns go in blocks of NB vectors so that the block of G (Mp × 16·NB floats, packed) stays in L1
 // while the rows of W, S, P and out stream past; rows PREFETCH_ROWS ahead are prefetched into L2 (into L1 they
 // would all land in the same few sets, 4·N bytes apart). A fresh output is written with non-temporal stores: no
 // read of lines about to be overwritten whole (6% of a training step).
 template <int NB, bool TWO>
 void combine_range(float* out, const float* W, float beta, const float* S, float c, const float* P, double* dots,
-                   float* out2, float e, const float* G2, const float* at, int64_t Mp, const float* G, int64_t M,
-                   int64_t ld, float alpha, int64_t N, int64_t k0, int64_t k1) {
+                   float* out2, float e, const float* const* G2, const float* at, int64_t Mp, const float* const* G,
+                   int64_t M, float alpha, int64_t N, int64_t k0, int64_t k1) {
   std::vector<float> packed(Mp * NB * V), packed2(TWO ? Mp * NB * V : 0);
   const __m512 vb = _mm512_set1_ps(beta), vc = _mm512_set1_ps(c), ve = _mm512_set1_ps(e);
   const bool stream = out != W && reinterpret_cast<uintptr_t>(out) % 64 == 0 &&
                       (!TWO || reinterpret_cast<uintptr_t>(out2) % 64 == 0);
   for (int64_t n0 = 0; n0 < N; n0 += NB * V) {
-    pack_columns(G, M, ld, Mp, n0, NB, packed.data());
-    if constexpr (TWO) pack_columns(G2, M, ld, Mp, n0, NB, packed2.data());
+    pack_columns(G, M, Mp, n0, NB, packed.data());
+    if constexpr (TWO) pack_columns(G2, M, Mp, n0, NB, packed2.data());
     for (int64_t k = k0; k < k1; ++k) {
       const int64_t row = k * N + n0;
       if (k + PREFETCH_ROWS < k1) {
@@ -298,7 +320,7 @@ void xw(const torch::Tensor& X, const torch::Tensor& W, torch::Tensor out, bool 
   const int64_t B = W.size(0), K = W.size(1), N = W.size(2), M = X.size(1), Mp = round_up(M, R);
   TORCH_CHECK(N % V == 0 && X.size(0) == B && X.size(2) == K && out.size(0) == B && out.size(1) == M &&
               out.size(2) == N, "xw: shapes do not fit");
-  const auto xt = transpose_padded(X, Mp);
+  const auto xt = transpose_padded({X}, Mp);
   const int64_t parts = parts_per_batch(B, N / V);
   const float* wp = W.data_ptr<float>();
   float* yp = out.data_ptr<float>();
@@ -320,7 +342,7 @@ void xwt(const torch::Tensor& G, const torch::Tensor& W, torch::Tensor out, bool
   const float* wp = W.data_ptr<float>();
   float* yp = out.data_ptr<float>();
   if (N <= 256) {
-    const auto gt = transpose_padded(G, Mp);
+    const auto gt = transpose_padded({G}, Mp);
     const int64_t parts = parts_per_batch(B, (K + R - 1) / R);
     at::parallel_for(0, B * parts, 1, [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t) {
@@ -333,30 +355,40 @@ void xwt(const torch::Tensor& G, const torch::Tensor& W, torch::Tensor out, bool
     return;
   }
   TORCH_CHECK(G.stride(2) == 1, "xwt: G must have inner stride 1");
-  const Rows g(G);
+  const auto g = row_pointers({G});
   const int64_t parts = parts_per_batch(B, K);
   at::parallel_for(0, B * parts, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = t / parts;
       const auto [k0, k1] = part_range(K, parts, t % parts, 1);
-      xwt_dots_range(g.data + b * g.batch_stride, g.row_stride, wp + b * K * N, yp + b * M * K, M, K, N, k0, k1,
-                     accumulate);
+      xwt_dots_range(g.data() + b * M, wp + b * K * N, yp + b * M * K, M, K, N, k0, k1, accumulate);
     }
   });
 }
 
-// out = β W (+ c S) + α Aᵀ G: W, S, out [B, K, N] with N % 16 == 0; β, c [B]; A [B, M, K]; G [B, M, N] (inner
-// stride 1). With P [B, K, N], also returns [B, 2] float64: ⟨P, W⟩ and ⟨P, S⟩ (0 without S), from before the write.
-// With out2 (needs S), also out2 = e S + α Aᵀ G2 (e [B], G2 like G) in the same pass.
+// The row blocks of A [B, M, K] and G [B, M, N] (inner stride 1): block j of each has the same rows.
+void check_row_blocks(const RowBlocks& A, const RowBlocks& G, int64_t B, int64_t K, int64_t N, const char* what) {
+  TORCH_CHECK(!A.empty() && A.size() == G.size(), what, ": A and G must be lists of the same number of blocks");
+  for (size_t j = 0; j < A.size(); ++j) {
+    check_small(A[j], "A"), check_small(G[j], "G");
+    TORCH_CHECK(A[j].size(0) == B && A[j].size(2) == K && G[j].size(0) == B && G[j].size(1) == A[j].size(1) &&
+                G[j].size(2) == N && G[j].stride(2) == 1, what, ": shapes do not fit");
+  }
+}
+
+// out = β W (+ c S) + α Aᵀ G: W, S, out [B, K, N] with N % 16 == 0; β, c [B]; A [B, M, K] and G [B, M, N] (inner
+// stride 1), each as blocks of rows. With P [B, K, N], also returns [B, 2] float64: ⟨P, W⟩ and ⟨P, S⟩ (0 without S),
+// from before the write. With out2 (needs S), also out2 = e S + α Aᵀ G2 (e [B], G2 blocks like G) in the same pass.
 torch::Tensor combine(torch::Tensor out, const torch::Tensor& W, const torch::Tensor& beta,
                       const c10::optional<torch::Tensor>& S, const c10::optional<torch::Tensor>& c,
-                      const torch::Tensor& A, const torch::Tensor& G, double alpha,
+                      const RowBlocks& A, const RowBlocks& G, double alpha,
                       const c10::optional<torch::Tensor>& P, const c10::optional<torch::Tensor>& out2,
-                      const c10::optional<torch::Tensor>& e, const c10::optional<torch::Tensor>& G2) {
-  check(out, "out", 3), check(W, "W", 3), check_small(A, "A"), check_small(G, "G");
-  const int64_t B = W.size(0), K = W.size(1), N = W.size(2), M = A.size(1), Mp = round_up(M, R);
-  TORCH_CHECK(N % V == 0 && out.sizes() == W.sizes() && A.size(0) == B && A.size(2) == K &&
-              G.size(0) == B && G.size(1) == M && G.size(2) == N && G.stride(2) == 1, "combine: shapes do not fit");
+                      const c10::optional<torch::Tensor>& e, const c10::optional<RowBlocks>& G2) {
+  check(out, "out", 3), check(W, "W", 3);
+  const int64_t B = W.size(0), K = W.size(1), N = W.size(2);
+  TORCH_CHECK(N % V == 0 && out.sizes() == W.sizes(), "combine: shapes do not fit");
+  check_row_blocks(A, G, B, K, N, "combine");
+  const int64_t M = total_rows(A), Mp = round_up(M, R);
   TORCH_CHECK(S.has_value() == c.has_value(), "combine: S and c go together");
   const auto betas = batch_values(beta, "beta", B);
   const auto cs = S ? batch_values(*c, "c", B) : std::vector<float>(B, 0.0f);
@@ -372,18 +404,16 @@ torch::Tensor combine(torch::Tensor out, const torch::Tensor& W, const torch::Te
               "combine: out2, e and G2 go together, and need S");
   const auto es = out2 ? batch_values(*e, "e", B) : std::vector<float>(B, 0.0f);
   if (out2) {
-    check(*out2, "out2", 3), check_small(*G2, "G2");
-    TORCH_CHECK(out2->sizes() == W.sizes() && G2->sizes() == G.sizes() && G2->strides() == G.strides(),
-                "combine: out2 or G2 do not fit");
+    check(*out2, "out2", 3), check_row_blocks(A, *G2, B, K, N, "combine (G2)");
+    TORCH_CHECK(out2->sizes() == W.sizes(), "combine: out2 does not fit W");
   }
   const auto at_ = transpose_padded(A, Mp);
-  const Rows g(G);
+  const auto g = row_pointers(G), g2 = out2 ? row_pointers(*G2) : std::vector<const float*>();
   const int64_t parts = parts_per_batch(B, K);
   const float* wp = W.data_ptr<float>();
   const float* sp = S ? S->data_ptr<float>() : nullptr;
   const float* pp = P ? P->data_ptr<float>() : nullptr;
   float *op = out.data_ptr<float>(), *o2 = out2 ? out2->data_ptr<float>() : nullptr;
-  const float* g2 = out2 ? G2->data_ptr<float>() : nullptr;
   std::vector<double> partial(B * parts * 2, 0.0);  // one slot per task: no sharing between threads
   using Range = decltype(&combine_range<8, false>);
   const auto pick = [&](auto two) -> Range {
@@ -397,9 +427,8 @@ torch::Tensor combine(torch::Tensor out, const torch::Tensor& W, const torch::Te
       const int64_t b = t / parts, off = b * K * N;
       const auto [k0, k1] = part_range(K, parts, t % parts, 1);
       run(op + off, wp + off, betas[b], sp ? sp + off : nullptr, cs[b], pp ? pp + off : nullptr,
-          partial.data() + 2 * t, o2 ? o2 + off : nullptr, es[b], o2 ? g2 + b * g.batch_stride : nullptr,
-          at_.data() + b * K * Mp, Mp, g.data + b * g.batch_stride, M, g.row_stride, static_cast<float>(alpha), N,
-          k0, k1);
+          partial.data() + 2 * t, o2 ? o2 + off : nullptr, es[b], o2 ? g2.data() + b * M : nullptr,
+          at_.data() + b * K * Mp, Mp, g.data() + b * M, M, static_cast<float>(alpha), N, k0, k1);
     }
   });
   auto dots = torch::zeros({B, 2}, torch::kFloat64);
