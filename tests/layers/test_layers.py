@@ -237,6 +237,17 @@ def test_conv_equals_conv1d_values_and_gradients(kernel, with_bias):
     assert all((a - b).abs().max() <= 1e-13 for a, b in zip(grads, ref_grads))
 
 
+def test_conv_gradients_through_the_cache_and_second_order():
+    # The hand-written backward (`_ShiftedMultiplyAdd`) also feeds the carried cache and supports double backward.
+    from titans.layers import causal_depthwise_conv
+
+    x, weight, bias, cache = (randn(*shape, seed=i).requires_grad_() for i, shape in
+                              enumerate([(2, 7, 3), (3, 4), (3,), (2, 3, 3)]))
+    conv = lambda *args: causal_depthwise_conv(*args)[0]  # noqa: E731
+    assert torch.autograd.gradcheck(conv, (x, weight, bias, cache))
+    assert torch.autograd.gradgradcheck(conv, (x, weight, bias, cache))
+
+
 def test_conv_streaming_and_causality():
     torch.manual_seed(0)
     conv = CausalDepthwiseConv(6, kernel=4).to(DT)

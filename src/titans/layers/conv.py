@@ -20,13 +20,44 @@ def causal_depthwise_conv(x: Tensor, weight: Tensor, bias: Optional[Tensor], cac
     if x.shape[1] == 0:  # an empty piece of the stream: nothing to convolve, the cache carries over unchanged
         return x.new_zeros(x.shape[0], 0, weight.shape[0]), cache.to(x.dtype)
     padded = torch.cat([cache.to(x.dtype), x], dim=1)
-    # K shifted multiply-adds: on CPU, forward and backward together take half the time of conv1d's depthwise
-    # path (13 against 19–27 ms at [4, 512, 768], kernel 4). Weights cast like autocast would cast conv1d's.
-    seq, weight = x.shape[1], weight.to(x.dtype)
-    y = padded[:, :seq] * weight[:, 0] if bias is None else torch.addcmul(bias.to(x.dtype), padded[:, :seq], weight[:, 0])
-    for j in range(1, kernel):
-        y = torch.addcmul(y, padded[:, j : j + seq], weight[:, j])
+    # Weights cast like autocast would cast conv1d's.
+    bias = bias.to(x.dtype) if bias is not None else None
+    y = _ShiftedMultiplyAdd.apply(padded, weight.to(x.dtype), bias)
     return y, padded[:, padded.shape[1] - (kernel - 1) :]
+
+
+class _ShiftedMultiplyAdd(torch.autograd.Function):
+    """y = Σ_j padded[:, j : j + seq] ⊙ weight[:, j] (+ bias): K shifted multiply-adds. On CPU, forward and
+    backward take half the time of conv1d's depthwise path. Its own backward because autograd's, through K
+    slices and K `addcmul`s, zero-fills a padded-size gradient per tap and scales by each `addcmul`'s value: a
+    third of the layer's time outside the memory. Written with differentiable ops, so double backward works."""
+
+    @staticmethod
+    def forward(ctx, padded: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:  # type: ignore[override]
+        kernel = weight.shape[-1]
+        seq = padded.shape[1] - kernel + 1
+        y = padded[:, :seq] * weight[:, 0] if bias is None else torch.addcmul(bias, padded[:, :seq], weight[:, 0])
+        for j in range(1, kernel):
+            y.addcmul_(padded[:, j : j + seq], weight[:, j])
+        ctx.save_for_backward(padded, weight)
+        ctx.has_bias = bias is not None
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):  # type: ignore[override]
+        padded, weight = ctx.saved_tensors
+        kernel = weight.shape[-1]
+        seq = dy.shape[1]
+        d_padded = d_weight = d_bias = None
+        if ctx.needs_input_grad[0]:
+            d_padded = dy.new_zeros(padded.shape)
+            for j in range(kernel):
+                d_padded[:, j : j + seq].addcmul_(dy, weight[:, j])
+        if ctx.needs_input_grad[1]:
+            d_weight = torch.stack([(dy * padded[:, j : j + seq]).sum((0, 1)) for j in range(kernel)], dim=1)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            d_bias = dy.sum((0, 1))
+        return d_padded, d_weight, d_bias
 
 
 class CausalDepthwiseConv(nn.Module):
