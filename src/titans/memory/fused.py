@@ -135,6 +135,8 @@ class ChunkCache(NamedTuple):
     hW: list[Tensor]  # h_i W_i⁰
     hS: list[Tensor]  # h_i S_i⁰
     r: list[Tensor]  # pre-activations on the queries
+    h_a: list[Tensor]  # h_i a_iᵀ [n, n]
+    C_h_a: list[Tensor]  # C ⊙ h_i a_iᵀ
     theta: Tensor  # effective θ (after the gradient-norm bound)
     scale: Optional[Tensor]  # the bound's factor min(1, c/‖∇ℓ‖), None without a bound
     sq_norm: Optional[Tensor]  # ‖∇ℓ_t‖²
@@ -171,7 +173,7 @@ def _chunk_forward(
     beta, c = dec.beta.unsqueeze(-1), dec.c.unsqueeze(-1)
 
     # Queries at W_t = β_t W⁰ + c_t S⁰ − Σ_s C[t,s] a_sᵀ δ_s, layer by layer (DESIGN.md §2 step 3).
-    h_list, hW, hS, r_list = [], [], [], []
+    h_list, hW, hS, r_list, h_a, C_h_a = [], [], [], [], [], []
     h = q
     for i in range(depth):
         h_list.append(h)
@@ -179,7 +181,9 @@ def _chunk_forward(
         hS.append(xw(h, S[i]))
         r = hW[i] * beta
         r.addcmul_(hS[i], c)
-        r.baddbmm_(C * torch.bmm(h, a[i].transpose(1, 2)), delta[i], alpha=-1.0)
+        h_a.append(torch.bmm(h, a[i].transpose(1, 2)))
+        C_h_a.append(C * h_a[i])
+        r.baddbmm_(C_h_a[i], delta[i], alpha=-1.0)
         r_list.append(r)
         h = sigma(r) if i < depth - 1 else r
     if cfg.residual:
@@ -193,7 +197,7 @@ def _chunk_forward(
         for i in range(depth):
             combine(new_state[2 * i], W[i], dec.beta[:, -1], a[i], u_w * delta[i], -1.0, S=S[i], c=dec.c[:, -1],
                     out2=new_state[2 * i + 1], e=dec.e_last, G2=u_m * delta[i])
-    return ChunkCache(a, p, m, delta, dsigma, h_list, hW, hS, r_list, theta, scale, sq_norm, C)
+    return ChunkCache(a, p, m, delta, dsigma, h_list, hW, hS, r_list, h_a, C_h_a, theta, scale, sq_norm, C)
 
 
 # --- one chunk, backward -----------------------------------------------------------------------------
@@ -270,13 +274,12 @@ def _chunk_backward(
         d_c_n += dots[:, 1]
         d_h = xwt(g_s, S[i], out=xwt(g_w, W[i]), accumulate=True)
         # r −= (C ⊙ h aᵀ) δ
-        h_a = torch.bmm(h[i], a[i].transpose(1, 2))
         r_d = torch.bmm(d_r, delta[i].transpose(1, 2))  # dr_t · δ_s
-        d_C -= r_d * h_a
+        d_C -= r_d * cache.h_a[i]
         M = C * r_d
         d_h.baddbmm_(M, a[i], alpha=-1.0)
         d_a[i].baddbmm_(M.transpose(1, 2), h[i], alpha=-1.0)
-        d_delta[i].baddbmm_((C * h_a).transpose(1, 2), d_r, alpha=-1.0)
+        d_delta[i].baddbmm_(cache.C_h_a[i].transpose(1, 2), d_r, alpha=-1.0)
         if i > 0:
             d_r = sigma_vjp(d_h, r[i - 1])
         else:

@@ -264,10 +264,11 @@ class NeuralMemory(nn.Module):
         # Continue the unfinished chunk: its pending tokens go first (their outputs are discarded),
         # so every chunk's gradients are taken at the weights it started with, as in one call.
         p = state.num_pending
-        k = torch.cat([state.pending_k, k], dim=2)
-        v = torch.cat([state.pending_v, v], dim=2)
-        gates = torch.cat([state.pending_gates, gates], dim=2)
-        q = torch.cat([q.new_zeros(batch, self.heads, p, self.head_dim), q], dim=2)
+        if p:  # (without pending tokens the concatenations would only copy: 2% of a training step)
+            k = torch.cat([state.pending_k, k], dim=2)
+            v = torch.cat([state.pending_v, v], dim=2)
+            gates = torch.cat([state.pending_gates, gates], dim=2)
+            q = torch.cat([q.new_zeros(batch, self.heads, p, self.head_dim), q], dim=2)
         total = p + seq
         full = total // self.chunk_size * self.chunk_size
         W, S = state.weights, state.momentum
@@ -279,14 +280,18 @@ class NeuralMemory(nn.Module):
             tail = slice(full, total)
             y, _, _ = self._memory(q[:, :, tail], k[:, :, tail], v[:, :, tail], gates[:, :, tail], W, S)
             outputs.append(y)
-        y = torch.cat(outputs, dim=2)[:, :, p:] if outputs else v[:, :, :0]  # nothing pending, nothing new
+        if not outputs:  # nothing pending, nothing new
+            y = v[:, :, :0]
+        else:
+            y = (torch.cat(outputs, dim=2) if len(outputs) > 1 else outputs[0])[:, :, p:]
         new_state = MemoryState(
             weights=W,
             momentum=S,
             conv_cache=conv_cache.to(dtype),
-            pending_k=k[:, :, full:],
-            pending_v=v[:, :, full:],
-            pending_gates=gates[:, :, full:],
+            # copies of fewer than chunk_size tokens, so the state does not keep this call's projections alive
+            pending_k=k[:, :, full:].clone(),
+            pending_v=v[:, :, full:].clone(),
+            pending_gates=gates[:, :, full:].clone(),
             seq_pos=state.seq_pos + seq,
         )
         return self._output(y, x), new_state
