@@ -29,8 +29,9 @@ def causal_depthwise_conv(x: Tensor, weight: Tensor, bias: Optional[Tensor], cac
 class _ShiftedMultiplyAdd(torch.autograd.Function):
     """y = Σ_j padded[:, j : j + seq] ⊙ weight[:, j] (+ bias): K shifted multiply-adds. On CPU, forward and
     backward take half the time of conv1d's depthwise path. Its own backward because autograd's, through K
-    slices and K `addcmul`s, zero-fills a padded-size gradient per tap and scales by each `addcmul`'s value: a
-    third of the layer's time outside the memory. Written with differentiable ops, so double backward works."""
+    slices and K `addcmul`s, zero-fills a padded-size gradient per tap and scales by each `addcmul`'s value
+    (forward+backward at [4, 512, 768]: 11–12 ms with this one, 13–17 ms with autograd's). Written with
+    differentiable ops, so double backward works."""
 
     @staticmethod
     def forward(ctx, padded: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:  # type: ignore[override]

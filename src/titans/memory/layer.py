@@ -264,7 +264,7 @@ class NeuralMemory(nn.Module):
         # Continue the unfinished chunk: its pending tokens go first (their outputs are discarded),
         # so every chunk's gradients are taken at the weights it started with, as in one call.
         p = state.num_pending
-        if p:  # (without pending tokens the concatenations would only copy: 2% of a training step)
+        if p:  # (without pending tokens the concatenations would only copy: ~1% of a training step)
             k = torch.cat([state.pending_k, k], dim=2)
             v = torch.cat([state.pending_v, v], dim=2)
             gates = torch.cat([state.pending_gates, gates], dim=2)
