@@ -219,6 +219,36 @@ def test_save_and_load_pretrained(tmp_path):
         TitansLM.from_pretrained(tmp_path / "m")
 
 
+def test_save_pretrained_overwrites_nothing_unless_asked(tmp_path):
+    first, second = tiny_model("lmm").float(), tiny_model("mag").float()
+    first.save_pretrained(tmp_path / "m")
+    (tmp_path / "m" / "notes.txt").write_text("mine")
+    saved = {p.name: p.read_bytes() for p in (tmp_path / "m").iterdir()}
+    with pytest.raises(ValueError, match="already holds a saved model; pass overwrite=True"):
+        second.save_pretrained(tmp_path / "m")
+    assert {p.name: p.read_bytes() for p in (tmp_path / "m").iterdir()} == saved  # untouched
+    second.save_pretrained(tmp_path / "m", overwrite=True)
+    assert TitansLM.from_pretrained(tmp_path / "m").config == second.config
+    assert sorted(p.name for p in (tmp_path / "m").iterdir()) == ["config.json", "model.safetensors", "notes.txt"]
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="is a file, not a directory"):
+        first.save_pretrained(tmp_path / "file")
+
+
+def test_a_failed_save_leaves_the_previous_model_whole(tmp_path, monkeypatch):
+    model = tiny_model("lmm").float()
+    model.save_pretrained(tmp_path / "m")
+    saved = {p.name: p.read_bytes() for p in (tmp_path / "m").iterdir()}
+
+    def fail(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr("titans.models.lm.save_model", fail)
+    with pytest.raises(OSError, match="disk full"):
+        tiny_model("mag").save_pretrained(tmp_path / "m", overwrite=True)
+    assert {p.name: p.read_bytes() for p in (tmp_path / "m").iterdir()} == saved  # no partial files either
+
+
 @pytest.mark.parametrize(
     "overrides, field",
     [

@@ -161,11 +161,28 @@ class TitansLM(nn.Module):
         out = torch.cat(tokens, 1)
         return (out, state) if return_state else out
 
-    def save_pretrained(self, directory: Union[str, Path]) -> None:
+    def save_pretrained(self, directory: Union[str, Path], overwrite: bool = False) -> None:
+        """Write `config.json` and `model.safetensors` into `directory` (created if needed).
+
+        A directory that already holds a saved model is refused unless `overwrite`; other files in it are left
+        alone. Both files are written under temporary names first and renamed once both are complete, so a save that
+        fails while writing leaves any previous model whole."""
         directory = Path(directory)
+        if directory.exists() and not directory.is_dir():
+            raise ValueError(f"cannot save a model to {directory}: it is a file, not a directory")
+        names = ("config.json", "model.safetensors")
+        if not overwrite and any((directory / name).exists() for name in names):
+            raise ValueError(f"{directory} already holds a saved model; pass overwrite=True to replace it")
         directory.mkdir(parents=True, exist_ok=True)
-        (directory / "config.json").write_text(json.dumps(self.config.to_dict(), indent=2))
-        save_model(self, str(directory / "model.safetensors"))
+        staged = {name: directory / f".{name}.partial" for name in names}
+        try:
+            staged["config.json"].write_text(json.dumps(self.config.to_dict(), indent=2))
+            save_model(self, str(staged["model.safetensors"]))
+            for name, path in staged.items():
+                path.replace(directory / name)
+        finally:
+            for path in staged.values():
+                path.unlink(missing_ok=True)
 
     @classmethod
     def from_pretrained(cls, directory: Union[str, Path], device: str = "cpu") -> "TitansLM":
