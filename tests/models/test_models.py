@@ -374,6 +374,9 @@ def test_bf16_autocast_trains_and_stays_causal(variant):
     float32 state (autocast is off inside the update rule and its backward pass)."""
     model = tiny_model(variant).float().train()
     x = tokens(2, 20)
+    norm_outputs = []  # every norm normalises in its weight's dtype (float32), whatever autocast hands it
+    for norm in (m for m in model.modules() if isinstance(m, torch.nn.RMSNorm)):
+        norm.register_forward_hook(lambda mod, args, out: norm_outputs.append((out.dtype, mod.weight.dtype)))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         logits, state = model(x)
         logits.float().logsumexp(-1).mean().backward()
@@ -383,6 +386,7 @@ def test_bf16_autocast_trains_and_stays_causal(variant):
     assert all(p.grad is None or torch.isfinite(p.grad).all() for p in model.parameters())
     assert sum(p.grad is not None for p in model.parameters()) == len(list(model.parameters()))
     assert torch.equal(logits2[:, :11], logits[:, :11])
+    assert norm_outputs and all(got == own for got, own in norm_outputs), set(norm_outputs)
     if variant in ("lmm", "mac", "mag", "mal", "gated_deltanet"):
         tensors = {}
         _flatten(state, "state", tensors)
