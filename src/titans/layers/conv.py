@@ -41,7 +41,6 @@ class _ShiftedMultiplyAdd(torch.autograd.Function):
         for j in range(1, kernel):
             y.addcmul_(padded[:, j : j + seq], weight[:, j])
         ctx.save_for_backward(padded, weight)
-        ctx.has_bias = bias is not None
         return y
 
     @staticmethod
@@ -56,7 +55,7 @@ class _ShiftedMultiplyAdd(torch.autograd.Function):
                 d_padded[:, j : j + seq].addcmul_(dy, weight[:, j])
         if ctx.needs_input_grad[1]:
             d_weight = torch.stack([(dy * padded[:, j : j + seq]).sum((0, 1)) for j in range(kernel)], dim=1)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
+        if ctx.needs_input_grad[2]:  # False when there is no bias
             d_bias = dy.sum((0, 1))
         return d_padded, d_weight, d_bias
 
