@@ -19,7 +19,7 @@ namespace {
 
 constexpr int V = 16;  // floats per zmm register
 constexpr int R = 16;  // rows per register block: one accumulator per row
-// Rows ahead that `combine` prefetches: at ~40 ns a row block, 8 rows cover DRAM latency (4 rows measured slower).
+// Rows ahead that the dot-product `g Wᵀ` prefetches: 8 rows cover DRAM latency (4 rows measured slower).
 constexpr int64_t PREFETCH_ROWS = 8;
 
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
@@ -52,7 +52,8 @@ std::vector<float> transpose_padded(const RowBlocks& x, int64_t Mp) {
   return out;
 }
 
-// Where each row of RowBlocks [B, M, N] (inner stride 1) starts: [B][M] pointers, read through `pack_columns`.
+// Where each row of RowBlocks [B, M, N] (inner stride 1) starts: [B][M] pointers, read through `pack_columns` or
+// `pack_strips`.
 std::vector<const float*> row_pointers(const RowBlocks& x) {
   const int64_t B = x[0].size(0), M = total_rows(x);
   std::vector<const float*> rows(B * M);
@@ -214,81 +215,114 @@ void xwt_dots_range(const float* const* G, const float* W, float* Y, int64_t M, 
   }
 }
 
-// out[k0:k1, :] = β W (+ c S) + α Aᵀ G for one batch element; with TWO also out2 = e S + α Aᵀ G2 from the same
-// reads (the forward pass's W' and S'); with P the dots ⟨P, W⟩, ⟨P, S⟩ over those rows (the backward pass's ∂β_n,
-// ∂c_n, ∂e_n). at: A transposed and padded ([K, Mp]); rows r of G, G2 start at G[r], G2[r]. `out` may be W (an in-place
-// update). Columns go in blocks of NB vectors so that the block of G (Mp × 16·NB floats, packed) stays in L1
-// while the rows of W, S, P and out stream past; rows PREFETCH_ROWS ahead are prefetched into L2 (into L1 they
-// would all land in the same few sets, 4·N bytes apart). A fresh output is written with non-temporal stores: no
-// read of lines about to be overwritten whole (6% of a training step).
-template <int NB, bool TWO>
-void combine_range(float* out, const float* W, float beta, const float* S, float c, const float* P, double* dots,
-                   float* out2, float e, const float* const* G2, const float* at, int64_t Mp, const float* const* G,
-                   int64_t M, float alpha, int64_t N, int64_t k0, int64_t k1) {
-  std::vector<float> packed(Mp * NB * V), packed2(TWO ? Mp * NB * V : 0);
+// out[k0:k1, :] = β W (+ c S) + Aᵀ G for one batch element (α folded into A); with TWO also out2 = e S + Aᵀ G2 from
+// the same reads (the forward pass's W' and S'); with P the dots ⟨P, W⟩, ⟨P, S⟩ over those rows (the backward pass's
+// ∂β_n, ∂c_n, ∂e_n). `out` may be W (an in-place update: each element is read before it is written).
+// T rows of the state at a time, all their columns, in strips of SW vectors. The T × SW
+// sums of Aᵀ G of a strip (and of Aᵀ G2) stay in registers over all M rows of G, so each load of G serves T
+// multiply-adds and the T·SW chains run side by side; the state's own terms (and the dots) are added after the sums,
+// which so never wait on memory. A row block is T whole rows, contiguous in DRAM; the next one is prefetched into L2
+// strip by strip. ap: A transposed, padded and scaled by α ([K, Mp]); gp, gp2: G, G2 packed by strips
+// ([N / (SW·16)][Mp][SW·16]).
+template <int T, int SW, bool TWO>
+void combine_blocks(float* out, const float* W, float beta, const float* S, float c, const float* P, double* dots,
+                    float* out2, float e, const float* gp2, const float* ap, int64_t Mp, const float* gp, int64_t N,
+                    int64_t k0, int64_t k1) {
+  constexpr int WIDTH = SW * V;
   const __m512 vb = _mm512_set1_ps(beta), vc = _mm512_set1_ps(c), ve = _mm512_set1_ps(e);
   const bool stream = out != W && reinterpret_cast<uintptr_t>(out) % 64 == 0 &&
                       (!TWO || reinterpret_cast<uintptr_t>(out2) % 64 == 0);
-  for (int64_t n0 = 0; n0 < N; n0 += NB * V) {
-    pack_columns(G, M, Mp, n0, NB, packed.data());
-    if constexpr (TWO) pack_columns(G2, M, Mp, n0, NB, packed2.data());
-    for (int64_t k = k0; k < k1; ++k) {
-      const int64_t row = k * N + n0;
-      if (k + PREFETCH_ROWS < k1) {
-        const int64_t ahead = row + PREFETCH_ROWS * N;
-        for (int v = 0; v < NB; ++v) {
-          _mm_prefetch(reinterpret_cast<const char*>(W + ahead + v * V), _MM_HINT_T1);
-          if (S) _mm_prefetch(reinterpret_cast<const char*>(S + ahead + v * V), _MM_HINT_T1);
-          if (P) _mm_prefetch(reinterpret_cast<const char*>(P + ahead + v * V), _MM_HINT_T1);
-          if (out != W && !stream) _mm_prefetch(reinterpret_cast<const char*>(out + ahead + v * V), _MM_HINT_T1);
+  __m512d dot_acc[4] = {_mm512_setzero_pd(), _mm512_setzero_pd(), _mm512_setzero_pd(), _mm512_setzero_pd()};
+  for (int64_t kb = k0; kb < k1; kb += T) {
+    const int rows = static_cast<int>(std::min<int64_t>(T, k1 - kb));
+    const float* a[T];
+    for (int i = 0; i < T; ++i) a[i] = ap + std::min<int64_t>(kb + i, k1 - 1) * Mp;  // a short block repeats a row
+    const int64_t next = kb + T;
+    const int next_rows = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(T, k1 - next)));
+    for (int64_t j = 0; j < N; j += WIDTH) {
+      for (int i = 0; i < next_rows; ++i)
+        for (int v = 0; v < SW; ++v) {
+          const int64_t ahead = (next + i) * N + j + v * V;
+          _mm_prefetch(reinterpret_cast<const char*>(W + ahead), _MM_HINT_T1);
+          if (S) _mm_prefetch(reinterpret_cast<const char*>(S + ahead), _MM_HINT_T1);
+          if (P) _mm_prefetch(reinterpret_cast<const char*>(P + ahead), _MM_HINT_T1);
         }
-      }
-      __m512 acc[NB], acc2[TWO ? NB : 1];
-      __m512 dot_w = _mm512_setzero_ps(), dot_s = _mm512_setzero_ps();
-#pragma GCC unroll 8
-      for (int v = 0; v < NB; ++v) {
-        const __m512 w = _mm512_loadu_ps(W + row + v * V);
-        acc[v] = _mm512_mul_ps(vb, w);
-        const __m512 pv = P ? _mm512_loadu_ps(P + row + v * V) : _mm512_setzero_ps();
-        if (P) dot_w = _mm512_fmadd_ps(pv, w, dot_w);
-        if (S) {
-          const __m512 sv = _mm512_loadu_ps(S + row + v * V);
-          acc[v] = _mm512_fmadd_ps(vc, sv, acc[v]);
-          if constexpr (TWO) acc2[v] = _mm512_mul_ps(ve, sv);
-          if (P) dot_s = _mm512_fmadd_ps(pv, sv, dot_s);
-        }
-      }
-      if (P) {  // per row into double: 2^18 float32 terms summed in one register would lose digits
-        dots[0] += _mm512_reduce_add_ps(dot_w);
-        dots[1] += _mm512_reduce_add_ps(dot_s);
-      }
-      for (int64_t rb = 0; rb < Mp; rb += R) {
-        const float* ak = at + k * Mp + rb;
-        const float* g = packed.data() + rb * NB * V;
-        const float* g2 = TWO ? packed2.data() + rb * NB * V : nullptr;
+      __m512 acc[T][SW], acc2[TWO ? T : 1][SW];
 #pragma GCC unroll 16
-        for (int r = 0; r < R; ++r) {
-          const __m512 coef = _mm512_set1_ps(alpha * ak[r]);
-#pragma GCC unroll 8
-          for (int v = 0; v < NB; ++v) {
-            acc[v] = _mm512_fmadd_ps(coef, _mm512_loadu_ps(g + (r * NB + v) * V), acc[v]);
-            if constexpr (TWO) acc2[v] = _mm512_fmadd_ps(coef, _mm512_loadu_ps(g2 + (r * NB + v) * V), acc2[v]);
+      for (int i = 0; i < T; ++i)
+#pragma GCC unroll 4
+        for (int v = 0; v < SW; ++v) {
+          acc[i][v] = _mm512_setzero_ps();
+          if constexpr (TWO) acc2[i][v] = _mm512_setzero_ps();
+        }
+      const float* g = gp + j * Mp;
+      const float* g2 = TWO ? gp2 + j * Mp : nullptr;
+      for (int64_t r = 0; r < Mp; ++r) {
+        __m512 gv[SW], gv2[TWO ? SW : 1];
+#pragma GCC unroll 4
+        for (int v = 0; v < SW; ++v) {
+          gv[v] = _mm512_loadu_ps(g + r * WIDTH + v * V);
+          if constexpr (TWO) gv2[v] = _mm512_loadu_ps(g2 + r * WIDTH + v * V);
+        }
+#pragma GCC unroll 16
+        for (int i = 0; i < T; ++i) {
+          const __m512 coef = _mm512_set1_ps(a[i][r]);
+#pragma GCC unroll 4
+          for (int v = 0; v < SW; ++v) {
+            acc[i][v] = _mm512_fmadd_ps(coef, gv[v], acc[i][v]);
+            if constexpr (TWO) acc2[i][v] = _mm512_fmadd_ps(coef, gv2[v], acc2[i][v]);
           }
         }
       }
-#pragma GCC unroll 8
-      for (int v = 0; v < NB; ++v) {
-        if (stream) {
-          _mm512_stream_ps(out + row + v * V, acc[v]);
-          if constexpr (TWO) _mm512_stream_ps(out2 + row + v * V, acc2[v]);
-        } else {
-          _mm512_storeu_ps(out + row + v * V, acc[v]);
-          if constexpr (TWO) _mm512_storeu_ps(out2 + row + v * V, acc2[v]);
+      __m512 dot_w = _mm512_setzero_ps(), dot_s = _mm512_setzero_ps();
+#pragma GCC unroll 16
+      for (int i = 0; i < T; ++i) {
+        if (i >= rows) break;
+#pragma GCC unroll 4
+        for (int v = 0; v < SW; ++v) {
+          const int64_t at_ = (kb + i) * N + j + v * V;
+          const __m512 w = _mm512_loadu_ps(W + at_);
+          __m512 o = _mm512_fmadd_ps(vb, w, acc[i][v]);
+          const __m512 pv = P ? _mm512_loadu_ps(P + at_) : _mm512_setzero_ps();
+          if (P) dot_w = _mm512_fmadd_ps(pv, w, dot_w);
+          __m512 o2 = _mm512_setzero_ps();
+          if (S) {
+            const __m512 sv = _mm512_loadu_ps(S + at_);
+            o = _mm512_fmadd_ps(vc, sv, o);
+            if constexpr (TWO) o2 = _mm512_fmadd_ps(ve, sv, acc2[i][v]);
+            if (P) dot_s = _mm512_fmadd_ps(pv, sv, dot_s);
+          }
+          if (stream) {
+            _mm512_stream_ps(out + at_, o);
+            if constexpr (TWO) _mm512_stream_ps(out2 + at_, o2);
+          } else {
+            _mm512_storeu_ps(out + at_, o);
+            if constexpr (TWO) _mm512_storeu_ps(out2 + at_, o2);
+          }
         }
+      }
+      if (P) {  // T·SW float terms per lane, then into double lanes: 2^18 float32 terms in one register would lose digits
+        dot_acc[0] = _mm512_add_pd(dot_acc[0], _mm512_cvtps_pd(_mm512_castps512_ps256(dot_w)));
+        dot_acc[1] = _mm512_add_pd(dot_acc[1], _mm512_cvtps_pd(_mm512_extractf32x8_ps(dot_w, 1)));
+        dot_acc[2] = _mm512_add_pd(dot_acc[2], _mm512_cvtps_pd(_mm512_castps512_ps256(dot_s)));
+        dot_acc[3] = _mm512_add_pd(dot_acc[3], _mm512_cvtps_pd(_mm512_extractf32x8_ps(dot_s, 1)));
       }
     }
   }
+  if (P) {
+    dots[0] += _mm512_reduce_add_pd(_mm512_add_pd(dot_acc[0], dot_acc[1]));
+    dots[1] += _mm512_reduce_add_pd(_mm512_add_pd(dot_acc[2], dot_acc[3]));
+  }
   if (stream) _mm_sfence();
+}
+
+// G's rows [0, M) (row r starting at G[r]) packed by strips of `width` columns: [N / width][Mp][width], zero rows
+// from M to Mp.
+std::vector<float> pack_strips(const float* const* G, int64_t M, int64_t Mp, int64_t N, int64_t width) {
+  std::vector<float> out(N * Mp, 0.0f);
+  for (int64_t j = 0; j < N; j += width)
+    for (int64_t r = 0; r < M; ++r) std::copy(G[r] + j, G[r] + j + width, out.data() + j * Mp + r * width);
+  return out;
 }
 
 void check(const torch::Tensor& t, const char* name, int64_t dim) {
@@ -407,7 +441,8 @@ torch::Tensor combine(torch::Tensor out, const torch::Tensor& W, const torch::Te
     check(*out2, "out2", 3), check_row_blocks(A, *G2, B, K, N, "combine (G2)");
     TORCH_CHECK(out2->sizes() == W.sizes(), "combine: out2 does not fit W");
   }
-  const auto at_ = transpose_padded(A, Mp);
+  auto at_ = transpose_padded(A, Mp);
+  for (auto& x : at_) x *= static_cast<float>(alpha);
   const auto g = row_pointers(G), g2 = out2 ? row_pointers(*G2) : std::vector<const float*>();
   const int64_t parts = parts_per_batch(B, K);
   const float* wp = W.data_ptr<float>();
@@ -415,20 +450,20 @@ torch::Tensor combine(torch::Tensor out, const torch::Tensor& W, const torch::Te
   const float* pp = P ? P->data_ptr<float>() : nullptr;
   float *op = out.data_ptr<float>(), *o2 = out2 ? out2->data_ptr<float>() : nullptr;
   std::vector<double> partial(B * parts * 2, 0.0);  // one slot per task: no sharing between threads
-  using Range = decltype(&combine_range<8, false>);
-  const auto pick = [&](auto two) -> Range {
-    constexpr bool T = decltype(two)::value;
-    return N % (8 * V) == 0 ? combine_range<8, T> : N % (4 * V) == 0 ? combine_range<4, T>
-         : N % (2 * V) == 0 ? combine_range<2, T> : combine_range<1, T>;
-  };
-  const Range run = out2 ? pick(std::true_type{}) : pick(std::false_type{});
+  // 16 accumulators either way: 8 rows × one vector × two outputs, or 8 rows × two vectors.
+  const int64_t width = out2 ? V : (N % (2 * V) == 0 ? 2 * V : V);
+  using Run = decltype(&combine_blocks<8, 1, false>);
+  const Run run = out2 ? combine_blocks<8, 1, true> : width == 2 * V ? combine_blocks<8, 2, false>
+                                                                     : combine_blocks<8, 1, false>;
   at::parallel_for(0, B * parts, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = t / parts, off = b * K * N;
       const auto [k0, k1] = part_range(K, parts, t % parts, 1);
+      const auto gp = pack_strips(g.data() + b * M, M, Mp, N, width);
+      const auto gp2 = o2 ? pack_strips(g2.data() + b * M, M, Mp, N, width) : std::vector<float>();
       run(op + off, wp + off, betas[b], sp ? sp + off : nullptr, cs[b], pp ? pp + off : nullptr,
-          partial.data() + 2 * t, o2 ? o2 + off : nullptr, es[b], o2 ? g2.data() + b * M : nullptr,
-          at_.data() + b * K * Mp, Mp, g.data() + b * M, M, static_cast<float>(alpha), N, k0, k1);
+          partial.data() + 2 * t, o2 ? o2 + off : nullptr, es[b], o2 ? gp2.data() : nullptr,
+          at_.data() + b * K * Mp, Mp, gp.data(), N, k0, k1);
     }
   });
   auto dots = torch::zeros({B, 2}, torch::kFloat64);
