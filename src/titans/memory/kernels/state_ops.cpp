@@ -52,8 +52,7 @@ std::vector<float> transpose_padded(const RowBlocks& x, int64_t Mp) {
   return out;
 }
 
-// Where each row of RowBlocks [B, M, N] (inner stride 1) starts: [B][M] pointers, read through `pack_columns` or
-// `pack_strips`.
+// Where each row of RowBlocks [B, M, N] (inner stride 1) starts: [B][M] pointers, read through `pack_columns`.
 std::vector<const float*> row_pointers(const RowBlocks& x) {
   const int64_t B = x[0].size(0), M = total_rows(x);
   std::vector<const float*> rows(B * M);
@@ -316,13 +315,10 @@ void combine_blocks(float* out, const float* W, float beta, const float* S, floa
   if (stream) _mm_sfence();
 }
 
-// G's rows [0, M) (row r starting at G[r]) packed by strips of `width` columns: [N / width][Mp][width], zero rows
-// from M to Mp.
-std::vector<float> pack_strips(const float* const* G, int64_t M, int64_t Mp, int64_t N, int64_t width) {
-  std::vector<float> out(N * Mp, 0.0f);
-  for (int64_t j = 0; j < N; j += width)
-    for (int64_t r = 0; r < M; ++r) std::copy(G[r] + j, G[r] + j + width, out.data() + j * Mp + r * width);
-  return out;
+// G's rows [0, M) (row r starting at G[r]) packed by strips of `width` columns into `dst`: [N / width][Mp][width],
+// each strip laid out by `pack_columns`.
+void pack_strips(const float* const* G, int64_t M, int64_t Mp, int64_t N, int64_t width, float* dst) {
+  for (int64_t j = 0; j < N; j += width) pack_columns(G, M, Mp, j, width / V, dst + j * Mp);
 }
 
 void check(const torch::Tensor& t, const char* name, int64_t dim) {
@@ -452,6 +448,14 @@ torch::Tensor combine(torch::Tensor out, const torch::Tensor& W, const torch::Te
   std::vector<double> partial(B * parts * 2, 0.0);  // one slot per task: no sharing between threads
   // 16 accumulators either way: 8 rows × one vector × two outputs, or 8 rows × two vectors.
   const int64_t width = out2 ? V : (N % (2 * V) == 0 ? 2 * V : V);
+  // G packed once per batch element, not per task: with fewer batch elements than threads, tasks share one.
+  std::vector<float> gp(B * N * Mp), gp2(out2 ? B * N * Mp : 0);
+  at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      pack_strips(g.data() + b * M, M, Mp, N, width, gp.data() + b * N * Mp);
+      if (out2) pack_strips(g2.data() + b * M, M, Mp, N, width, gp2.data() + b * N * Mp);
+    }
+  });
   using Run = decltype(&combine_blocks<8, 1, false>);
   const Run run = out2 ? combine_blocks<8, 1, true> : width == 2 * V ? combine_blocks<8, 2, false>
                                                                      : combine_blocks<8, 1, false>;
@@ -459,11 +463,9 @@ torch::Tensor combine(torch::Tensor out, const torch::Tensor& W, const torch::Te
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = t / parts, off = b * K * N;
       const auto [k0, k1] = part_range(K, parts, t % parts, 1);
-      const auto gp = pack_strips(g.data() + b * M, M, Mp, N, width);
-      const auto gp2 = o2 ? pack_strips(g2.data() + b * M, M, Mp, N, width) : std::vector<float>();
       run(op + off, wp + off, betas[b], sp ? sp + off : nullptr, cs[b], pp ? pp + off : nullptr,
-          partial.data() + 2 * t, o2 ? o2 + off : nullptr, es[b], o2 ? gp2.data() : nullptr,
-          at_.data() + b * K * Mp, Mp, gp.data(), N, k0, k1);
+          partial.data() + 2 * t, o2 ? o2 + off : nullptr, es[b], o2 ? gp2.data() + b * N * Mp : nullptr,
+          at_.data() + b * K * Mp, Mp, gp.data() + b * N * Mp, N, k0, k1);
     }
   });
   auto dots = torch::zeros({B, 2}, torch::kFloat64);
