@@ -44,7 +44,7 @@ def test_combine_matches_its_reference(shape):
     beta, c = torch.rand(B), torch.rand(B, 1)  # any shape with one value per batch element
     P = torch.randn(B, K, N)
     out = torch.full_like(W, float("nan"))  # every element must be written
-    dots = state_ops.combine(out, W, beta, A, G, -0.7, S=S, c=c, dots_with=P)
+    dots = state_ops.combine(out, W, beta, A, G, -0.7, S=S, c=c, dots_with=P).dots
     exact = (beta.double().view(-1, 1, 1) * W.double() + c.double().view(-1, 1, 1) * S.double()
              - 0.7 * A.double().transpose(1, 2) @ G.double())
     assert rel_err(out, exact) < 1e-5
@@ -61,10 +61,52 @@ def test_combine_matches_its_reference(shape):
     # In place, without S: the backward pass's W ← β W + Aᵀ G, with ⟨P, W⟩ of W before the update.
     exact = beta.double().view(-1, 1, 1) * W.double() + A.double().transpose(1, 2) @ G.double()
     dot_before = (P.double() * W.double()).sum((1, 2))
-    dots = state_ops.combine(W, W, beta, A, G, 1.0, dots_with=P)
+    dots = state_ops.combine(W, W, beta, A, G, 1.0, dots_with=P).dots
     assert rel_err(W, exact) < 1e-5
     assert rel_err(dots[:, 0], dot_before) < 1e-5 and (dots[:, 1] == 0).all()
-    assert state_ops.combine(W, W, beta, A, G, 1.0) is None
+    assert state_ops.combine(W, W, beta, A, G, 1.0) == (None,) * 5
+
+
+@needs_kernels
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("rows", ["same", "other"])  # rows of x and of the g's: n, or counts of their own
+def test_combine_returns_the_products_of_its_inputs(shape, rows):
+    # The scan takes every product of a chunk with a state from the update's one pass over it: the queries' h W⁰, h S⁰
+    # beside W', S' (forward), and a ∂W', a ∂S', ∂a, ∂h beside ∂S⁰ (backward, in place when out is W).
+    B, n, K, N = shape
+    mx, mg = (n, n) if rows == "same" else (n + 4, 2 * n + 1)
+    W, S, P, Q = (torch.randn(B, K, N) for _ in range(4))
+    A, G, G2 = torch.randn(B, n, K), torch.randn(B, n, N), torch.randn(B, n, N)
+    x, gt = torch.randn(B, 2 * mx, K)[:, ::2], [torch.randn(B, mg, N) for _ in range(4)]  # x: rows strided
+    beta, c, e = torch.rand(B), torch.rand(B), torch.rand(B)
+    d = {name: t.double() for name, t in dict(W=W, S=S, P=P, Q=Q, A=A, G=G, G2=G2, x=x).items()}
+    b_, c_, e_ = (t.double().view(-1, 1, 1) for t in (beta, c, e))
+    out, out2 = torch.full_like(W, float("nan")), torch.full_like(W, float("nan"))
+    reads = state_ops.combine(out, W, beta, A, G, -1.0, S=S, c=c, out2=out2, e=e, G2=G2, x=x)
+    assert rel_err(out, b_ * d["W"] + c_ * d["S"] - d["A"].transpose(1, 2) @ d["G"]) < 1e-5
+    assert rel_err(out2, e_ * d["S"] - d["A"].transpose(1, 2) @ d["G2"]) < 1e-5
+    assert rel_err(reads.xW, d["x"] @ d["W"]) < 1e-5 and rel_err(reads.xS, d["x"] @ d["S"]) < 1e-5
+    assert reads.dots is None and reads.gWt is None and reads.gPt is None
+    exact = b_ * d["W"] + c_ * d["S"] + d["A"].transpose(1, 2) @ d["G"]
+    exact_reads = (torch.stack([(d["P"] * d["W"]).sum((1, 2)), (d["P"] * d["S"]).sum((1, 2))], 1),
+                   d["x"] @ d["W"], d["x"] @ d["S"],
+                   gt[0].double() @ d["W"].transpose(1, 2) + gt[1].double() @ d["S"].transpose(1, 2),
+                   gt[2].double() @ d["P"].transpose(1, 2) + gt[3].double() @ d["Q"].transpose(1, 2))
+    W_in_place = W.clone()
+    for target, source in ((torch.full_like(W, float("nan")), W), (W_in_place, W_in_place)):
+        reads = state_ops.combine(target, source, beta, A, G, 1.0, S=S, c=c, dots_with=P, x=x, gt=gt, Q=Q)
+        assert rel_err(target, exact) < 1e-5
+        for got, want in zip(reads, exact_reads):
+            assert rel_err(got, want) < 1e-5
+
+
+def test_combine_refuses_products_it_cannot_form():
+    W, A, G = torch.randn(1, 16, 32), torch.randn(1, 16, 16), torch.randn(1, 16, 32)
+    with pytest.raises(ValueError, match="x needs S"):
+        state_ops.combine(torch.empty_like(W), W, torch.ones(1), A, G, 1.0, x=A)
+    with pytest.raises(ValueError, match="gt .* and Q go together"):
+        state_ops.combine(torch.empty_like(W), W, torch.ones(1), A, G, 1.0, S=W, c=torch.ones(1), dots_with=W,
+                          gt=[G] * 4)
 
 
 @needs_kernels
@@ -120,12 +162,17 @@ def test_inputs_the_kernels_do_not_serve_take_the_reference(monkeypatch, case):
     torch.testing.assert_close(state_ops.xwt(g, W), g @ W.transpose(1, 2))
     beta = torch.rand(B, dtype=dtype)
     out, P = torch.empty(B, K, N, dtype=dtype), torch.randn(B, K, N, dtype=dtype)
-    dots = state_ops.combine(out, W, beta, A, g, 2.0, dots_with=P)
+    dots = state_ops.combine(out, W, beta, A, g, 2.0, dots_with=P).dots
     torch.testing.assert_close(out, beta.view(-1, 1, 1) * W + 2.0 * A.transpose(1, 2) @ g)
     torch.testing.assert_close(dots[:, 0], (P * W).sum((1, 2)))
     S, out2, e = torch.randn(B, K, N, dtype=dtype), torch.empty(B, K, N, dtype=dtype), torch.rand(B, dtype=dtype)
     state_ops.combine(out, W, beta, A, g, -1.0, S=S, c=beta, out2=out2, e=e, G2=2 * g)
     torch.testing.assert_close(out2, e.view(-1, 1, 1) * S - 2.0 * A.transpose(1, 2) @ g)
+    reads = state_ops.combine(out, W, beta, A, g, 1.0, S=S, c=beta, dots_with=P, x=x, gt=[g, 2 * g, 3 * g, 4 * g], Q=W)
+    torch.testing.assert_close(reads.xW, x @ W)
+    torch.testing.assert_close(reads.xS, x @ S)
+    torch.testing.assert_close(reads.gWt, g @ W.transpose(1, 2) + 2 * g @ S.transpose(1, 2))
+    torch.testing.assert_close(reads.gPt, 3 * g @ P.transpose(1, 2) + 4 * g @ W.transpose(1, 2))
 
 
 def test_without_kernels_the_library_warns_once_and_uses_the_references(monkeypatch):

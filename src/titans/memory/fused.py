@@ -172,13 +172,22 @@ def _chunk_forward(
     C = dec.D * theta.unsqueeze(-2)
     beta, c = dec.beta.unsqueeze(-1), dec.c.unsqueeze(-1)
 
-    # Queries at W_t = β_t W⁰ + c_t S⁰ − Σ_s C[t,s] a_sᵀ δ_s, layer by layer (DESIGN.md §2 step 3).
+    # Queries at W_t = β_t W⁰ + c_t S⁰ − Σ_s C[t,s] a_sᵀ δ_s, layer by layer (DESIGN.md §2 step 3), and the state after
+    # the chunk, its last row (step 4): W ← β_n W⁰ + c_n S⁰ − aᵀ diag(C[n,:]) δ,  S ← e_n S⁰ − aᵀ diag(θ ⊙ E[n,:]) δ.
+    # Both read W⁰ and S⁰: one pass over them (`combine` returns h W⁰, h S⁰ beside the update).
+    u_w, u_m = C[:, -1, :].unsqueeze(-1), (theta * dec.E_last).unsqueeze(-1)
     h_list, hW, hS, r_list, h_a, C_h_a = [], [], [], [], [], []
     h = q
     for i in range(depth):
         h_list.append(h)
-        hW.append(xw(h, W[i]))
-        hS.append(xw(h, S[i]))
+        if new_state is not None:
+            reads = combine(new_state[2 * i], W[i], dec.beta[:, -1], a[i], u_w * delta[i], -1.0, S=S[i],
+                            c=dec.c[:, -1], out2=new_state[2 * i + 1], e=dec.e_last, G2=u_m * delta[i], x=h)
+            hW.append(reads.xW)
+            hS.append(reads.xS)
+        else:
+            hW.append(xw(h, W[i]))
+            hS.append(xw(h, S[i]))
         r = hW[i] * beta
         r.addcmul_(hS[i], c)
         h_a.append(torch.bmm(h, a[i].transpose(1, 2)))
@@ -190,13 +199,6 @@ def _chunk_forward(
         torch.add(q, h, out=y_out)
     else:
         y_out.copy_(h)
-
-    if new_state is not None:
-        # Last row (step 4): W ← β_n W⁰ + c_n S⁰ − aᵀ diag(C[n,:]) δ;  S ← e_n S⁰ − aᵀ diag(θ ⊙ E[n,:]) δ.
-        u_w, u_m = C[:, -1, :].unsqueeze(-1), (theta * dec.E_last).unsqueeze(-1)
-        for i in range(depth):
-            combine(new_state[2 * i], W[i], dec.beta[:, -1], a[i], u_w * delta[i], -1.0, S=S[i], c=dec.c[:, -1],
-                    out2=new_state[2 * i + 1], e=dec.e_last, G2=u_m * delta[i])
     return ChunkCache(a, p, m, delta, dsigma, h_list, hW, hS, r_list, h_a, C_h_a, theta, scale, sq_norm, C)
 
 
@@ -233,29 +235,23 @@ def _chunk_backward(
     depth = len(W)
     u_w, u_m = C[:, -1, :], th * dec.E_last
 
-    # 1. State update.
-    d_delta, d_a = [], []
+    # 1–2. State update and queries, last layer first. Per layer, one pass over ∂W', ∂S', W, S (`combine`) gives
+    # every product of this part with them:
+    #   update:   ∂δ_i = −(u_w ⊙ a ∂W' + u_m ⊙ a ∂S'),  ∂a_i = −((u_w ⊙ δ) ∂W'ᵀ + (u_m ⊙ δ) ∂S'ᵀ),
+    #             ∂S⁰ = e_n ∂S' + c_n ∂W' + hᵀ (c ⊙ ∂r), with ∂c_n = Σ⟨S, ∂W'⟩ and ∂e_n = Σ⟨S, ∂S'⟩;
+    #   queries:  ∂h_i = (β ⊙ ∂r) Wᵀ + (c ⊙ ∂r) Sᵀ.
+    # ∂W⁰ = β_n ∂W' + (rank-n terms) is written in step 5, once all its rank-n terms are known; that pass also gives
+    # ∂β_n = Σ⟨W, ∂W'⟩.
     d_u_w = torch.zeros_like(u_w)
     d_u_m = torch.zeros_like(u_m)
-    d_beta_n = torch.zeros_like(dec.e_last)
     d_c_n = torch.zeros_like(dec.e_last)
     d_e_n = torch.zeros_like(dec.e_last)
-    for i in range(depth):
-        a_dW, a_dS = xw(a[i], dW_new[i]), xw(a[i], dS_new[i])  # [n, d_out]
-        d_delta.append(-(u_w.unsqueeze(-1) * a_dW + u_m.unsqueeze(-1) * a_dS))
-        d_u_w -= (a_dW * delta[i]).sum(-1)
-        d_u_m -= (a_dS * delta[i]).sum(-1)
-        d_a_i = xwt(u_w.unsqueeze(-1) * delta[i], dW_new[i])
-        d_a.append(xwt(u_m.unsqueeze(-1) * delta[i], dS_new[i], out=d_a_i, accumulate=True).neg_())
-    # ∂W⁰ = β_n ∂W' + (rank-n terms) and ∂S⁰ = e_n ∂S' + c_n ∂W' + (rank-n terms) are each written in one pass
-    # below (`combine`), once their rank-n terms are known; the same passes give ∂β_n = Σ⟨W, ∂W'⟩,
-    # ∂c_n = Σ⟨S, ∂W'⟩ and ∂e_n = Σ⟨S, ∂S'⟩.
-
-    # 2. Queries, last layer first.
     d_beta = torch.zeros_like(dec.beta)
     d_c = torch.zeros_like(dec.c)
     d_C = torch.zeros_like(C)
     beta, c = dec.beta.unsqueeze(-1), dec.c.unsqueeze(-1)
+    d_delta: list[Tensor] = [None] * depth  # type: ignore[list-item]
+    d_a: list[Tensor] = [None] * depth  # type: ignore[list-item]
     # Rank-n terms of ∂L/∂W_i are collected and applied in one pass over all of them (K = 2n or 3n rows instead
     # of three K = n updates: fewer passes over the state), read in place as blocks of rows.
     w_left: list[list[Tensor]] = [[] for _ in range(depth)]
@@ -264,15 +260,21 @@ def _chunk_backward(
     # Without the residual, v (hence dy) may be narrower or wider than q and k: size d_q, d_k like them.
     d_q = dy.clone() if cfg.residual else torch.zeros_like(h[0])
     for i in range(depth - 1, -1, -1):
+        g_w, g_s = beta * d_r, c * d_r
+        g_u_w, g_u_m = u_w.unsqueeze(-1) * delta[i], u_m.unsqueeze(-1) * delta[i]
+        reads = combine(dS[i], dS_new[i], dec.e_last, h[i], g_s, 1.0, S=dW_new[i], c=dec.c[:, -1], dots_with=S[i],
+                        x=a[i], gt=(g_u_m, g_u_w, g_s, g_w), Q=W[i])
+        a_dS, a_dW, d_h = reads.xW, reads.xS, reads.gPt
+        d_e_n += reads.dots[:, 0]
+        d_c_n += reads.dots[:, 1]
+        d_delta[i] = -(u_w.unsqueeze(-1) * a_dW + u_m.unsqueeze(-1) * a_dS)
+        d_u_w -= (a_dW * delta[i]).sum(-1)
+        d_u_m -= (a_dS * delta[i]).sum(-1)
+        d_a[i] = reads.gWt.neg_()
         d_beta += (d_r * hW[i]).sum(-1)
         d_c += (d_r * hS[i]).sum(-1)
-        g_w, g_s = beta * d_r, c * d_r
         w_left[i].append(h[i])
         w_right[i].append(g_w)
-        dots = combine(dS[i], dS_new[i], dec.e_last, h[i], g_s, 1.0, S=dW_new[i], c=dec.c[:, -1], dots_with=S[i])
-        d_e_n += dots[:, 0]
-        d_c_n += dots[:, 1]
-        d_h = xwt(g_s, S[i], out=xwt(g_w, W[i]), accumulate=True)
         # r −= (C ⊙ h aᵀ) δ
         r_d = torch.bmm(d_r, delta[i].transpose(1, 2))  # dr_t · δ_s
         d_C -= r_d * cache.h_a[i]
@@ -318,14 +320,14 @@ def _chunk_backward(
     for i in range(depth - 1, -1, -1):
         w_left[i].append(a[i])
         w_right[i].append(d_p[i])
-        d_beta_n += combine(dW[i], dW_new[i], dec.beta[:, -1], w_left[i], w_right[i], 1.0, dots_with=W[i])[:, 0]
+        reads = combine(dW[i], dW_new[i], dec.beta[:, -1], w_left[i], w_right[i], 1.0, dots_with=W[i])
+        d_beta[:, -1] += reads.dots[:, 0]
         xwt(d_p[i], W[i], out=d_a[i], accumulate=True)
         if i > 0:
             d_p[i - 1].addcmul_(d_a[i], cache.dsigma[i - 1])
         else:
             d_k += d_a[0]
 
-    d_beta[:, -1] += d_beta_n
     d_c[:, -1] += d_c_n
     return ChunkGrads(d_q, d_k, d_v, d_theta, ChunkDecays(d_beta, d_c, d_D, d_E_last, d_e_n))
 

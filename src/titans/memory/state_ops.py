@@ -3,15 +3,17 @@
 Every way a chunk touches a state matrix W `[batch, K, N]` (the memory's weights, momentum and their
 gradients) is one of
 
-    xw(x, W)                      x W          x: [batch, n, K]   (keys, queries, ∂δ)
-    xwt(g, W)                     g Wᵀ         g: [batch, n, N]   (δ W_{i+1}ᵀ, ∂h, ∂a)
+    xw(x, W)                      x W          x: [batch, n, K]   (keys, ∂δ)
+    xwt(g, W)                     g Wᵀ         g: [batch, n, N]   (δ W_{i+1}ᵀ, ∂a)
     combine(out, W, β, A, G, α)   β W + c S + α Aᵀ G              (the state update, ∂W⁰, ∂S⁰)
 
 with n = 16 rows (a chunk). A training step's states do not fit in cache, so each product streams its matrix
 from DRAM, and MKL's small-row kernels wait on memory latency there: 45–69 GFLOP/s against 100–138 from cache
 on the benchmark machine (README, "Speed and memory"). `kernels/state_ops.cpp` walks W in the order it uses
 it and prefetches the next strip into L2 while computing the current one, and `combine` does the state
-update in one pass over W and S instead of four.
+update in one pass over W and S instead of four. That pass also returns the other products of the same
+inputs that a chunk needs at that point (`Reads`: the queries' h W⁰ and h S⁰ in the forward pass; a ∂W',
+a ∂S', ∂a and ∂h in the backward), so each of them costs no further read of the state.
 
 The kernels serve float32 CPU tensors whose W is contiguous with N a multiple of 16 and at least 8 rows in x,
 on x86-64 CPUs with AVX-512; they are compiled on first use (`torch.utils.cpp_extension`, about a minute,
@@ -29,7 +31,7 @@ import shutil
 import threading
 import warnings
 from pathlib import Path
-from typing import Optional, Sequence, Union
+from typing import NamedTuple, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -51,21 +53,38 @@ def xwt_reference(g: Tensor, W: Tensor, out: Optional[Tensor] = None, accumulate
     return xw_reference(g, W.transpose(1, 2), out, accumulate)
 
 
+class Reads(NamedTuple):
+    """What `combine` also computes from its reads of the inputs, before its writes (None where not asked for)."""
+
+    dots: Optional[Tensor]  # [batch, 2]: ⟨P, W⟩, ⟨P, S⟩
+    xW: Optional[Tensor]  # x W   [batch, m, N]
+    xS: Optional[Tensor]  # x S
+    gWt: Optional[Tensor]  # g_W Wᵀ + g_S Sᵀ   [batch, m, K]
+    gPt: Optional[Tensor]  # g_P Pᵀ + g_Q Qᵀ
+
+
 def combine_reference(out: Tensor, W: Tensor, beta: Tensor, A: Rows, G: Rows, alpha: float,
                       S: Optional[Tensor] = None, c: Optional[Tensor] = None, dots_with: Optional[Tensor] = None,
-                      out2: Optional[Tensor] = None, e: Optional[Tensor] = None,
-                      G2: Optional[Rows] = None) -> Optional[Tensor]:
-    A, G, G2 = (torch.cat(x, 1) if isinstance(x, (list, tuple)) else x for x in (A, G, G2))
+                      out2: Optional[Tensor] = None, e: Optional[Tensor] = None, G2: Optional[Rows] = None,
+                      x: Optional[Tensor] = None, gt: Optional[Sequence[Tensor]] = None,
+                      Q: Optional[Tensor] = None) -> Reads:
+    A, G, G2 = (torch.cat(t, 1) if isinstance(t, (list, tuple)) else t for t in (A, G, G2))
+    # Everything read from W and S before `out` (which may be W) is written.
+    dots = xW = xS = gWt = gPt = None
+    if dots_with is not None:
+        dots = torch.stack([_flat_dot(dots_with, W), _flat_dot(dots_with, S) if S is not None else W.new_zeros(len(W))], 1)
+    if x is not None:
+        xW, xS = xw_reference(x, W), xw_reference(x, S)
+    if gt is not None:
+        gWt = xwt_reference(gt[1], S, out=xwt_reference(gt[0], W), accumulate=True)
+        gPt = xwt_reference(gt[3], Q, out=xwt_reference(gt[2], dots_with), accumulate=True)
     if out2 is not None:
         combine_reference(out2, S, e, A, G2, alpha)
-    dots = None
-    if dots_with is not None:  # before `out` is written: it may be W
-        dots = torch.stack([_flat_dot(dots_with, W), _flat_dot(dots_with, S) if S is not None else W.new_zeros(len(W))], 1)
     torch.mul(W, beta.reshape(-1, 1, 1), out=out)
     if S is not None:
         out.addcmul_(S, c.reshape(-1, 1, 1))
     out.baddbmm_(A.transpose(1, 2), G, alpha=alpha)
-    return dots
+    return Reads(dots, xW, xS, gWt, gPt)
 
 
 def _flat_dot(x: Tensor, y: Tensor) -> Tensor:
@@ -176,19 +195,32 @@ def xwt(g: Tensor, W: Tensor, out: Optional[Tensor] = None, accumulate: bool = F
 
 def combine(out: Tensor, W: Tensor, beta: Tensor, A: Rows, G: Rows, alpha: float,
             S: Optional[Tensor] = None, c: Optional[Tensor] = None, dots_with: Optional[Tensor] = None,
-            out2: Optional[Tensor] = None, e: Optional[Tensor] = None, G2: Optional[Rows] = None) -> Optional[Tensor]:
+            out2: Optional[Tensor] = None, e: Optional[Tensor] = None, G2: Optional[Rows] = None,
+            x: Optional[Tensor] = None, gt: Optional[Sequence[Tensor]] = None, Q: Optional[Tensor] = None) -> Reads:
     """`out = β W (+ c S) + α Aᵀ G` with per-batch β, c (one value per batch element, any shape), A `[batch, n, K]`,
     G `[batch, n, N]`, each a tensor or a list of blocks of its rows (block j of A and of G with the same rows: the
-    blocks are read in place, not concatenated); `out` may be W. With `dots_with` P, returns the per-batch dots
-    `[batch, 2]`: ⟨P, W⟩ and ⟨P, S⟩ (0 without S), of the inputs, read in the same pass (the backward pass's ∂β_n,
-    ∂c_n, ∂e_n). With `out2` (and S), also `out2 = e S + α Aᵀ G2` from the same reads of S (the forward pass's W'
-    and S')."""
-    A_, G_, G2_ = ([x] if isinstance(x, Tensor) else list(x) if x is not None else None for x in (A, G, G2))
-    states = (out, S, dots_with, out2)
-    ops = kernels_for(W, A_[0], *A_, *G_, *(G2_ or ()), beta, c, e, *states)
+    blocks are read in place, not concatenated); `out` may be W. With `out2` (and S), also `out2 = e S + α Aᵀ G2`
+    from the same reads of S (the forward pass's W' and S').
+
+    Every other product of the inputs that a chunk needs is taken from the same pass over them (one read of each
+    state matrix instead of one per product), and returned as `Reads`, all of the inputs before any write:
+    with `dots_with` P, the dots ⟨P, W⟩ and ⟨P, S⟩ (0 without S; the backward pass's ∂β_n, ∂c_n, ∂e_n); with `x`
+    `[batch, m, K]` (needs S), `x W` and `x S` (the queries at the chunk's start); with `gt` = (g_W, g_S, g_P, g_Q),
+    each `[batch, m, N]`, and Q (needs S and P), `g_W Wᵀ + g_S Sᵀ` and `g_P Pᵀ + g_Q Qᵀ` (the backward pass's ∂a
+    and ∂h)."""
+    if x is not None and S is None:
+        raise ValueError("combine: x needs S")
+    if (gt is None) != (Q is None) or (gt is not None and (S is None or dots_with is None or len(gt) != 4)):
+        raise ValueError("combine: gt (four tensors) and Q go together, and need S and dots_with")
+    A_, G_, G2_ = ([t] if isinstance(t, Tensor) else list(t) if t is not None else None for t in (A, G, G2))
+    gt_ = list(gt) if gt is not None else None
+    states = (out, S, dots_with, out2, Q)
+    ops = kernels_for(W, A_[0], *A_, *G_, *(G2_ or ()), *(gt_ or ()), x, beta, c, e, *states)
     if (ops is None or not all(t is None or t.is_contiguous() for t in states)
-            or any(g.stride(2) != 1 for g in G_ + (G2_ or []))):
-        return combine_reference(out, W, beta, A_, G_, alpha, S, c, dots_with, out2, e, G2_)
+            or any(g.stride(2) != 1 for g in G_ + (G2_ or []) + (gt_ or []))
+            or (gt_ is not None and out2 is not None)):
+        return combine_reference(out, W, beta, A_, G_, alpha, S, c, dots_with, out2, e, G2_, x, gt_, Q)
     factors = [t.reshape(-1) if t is not None else None for t in (beta, c, e)]
-    dots = ops.combine(out, W, factors[0], S, factors[1], A_, G_, float(alpha), dots_with, out2, factors[2], G2_)
-    return dots.to(W.dtype) if dots_with is not None else None
+    dots, xW, xS, gWt, gPt = ops.combine(out, W, factors[0], S, factors[1], A_, G_, float(alpha), dots_with, out2,
+                                         factors[2], G2_, x, gt_, Q)
+    return Reads(dots.to(W.dtype) if dots is not None else None, xW, xS, gWt, gPt)

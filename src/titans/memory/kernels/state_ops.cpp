@@ -5,8 +5,9 @@
 // cache, so each product streams its matrix from DRAM; MKL's small-M kernels then wait on memory latency
 // (45–69 GFLOP/s here against 100–138 from cache). These kernels read the matrix in the order they use it,
 // prefetch what comes next into L2 by hand (software prefetch), keep every partial sum in registers, and write
-// the state update in one pass; `x W` then runs at 120–165 GFLOP/s from DRAM. Plain ATen references beside them
-// in state_ops.py; tests/memory/test_state_ops.py compares the two.
+// the state update in one pass; `x W` then runs at 120–165 GFLOP/s from DRAM. The update's pass also forms the
+// other products a chunk needs of the same inputs at that point (`Pass`), so that they cost no further read of the
+// state. Plain ATen references beside them in state_ops.py; tests/memory/test_state_ops.py compares the two.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -214,37 +215,68 @@ void xwt_dots_range(const float* const* G, const float* W, float* Y, int64_t M, 
   }
 }
 
-// out[k0:k1, :] = β W (+ c S) + Aᵀ G for one batch element (α folded into A); with TWO also out2 = e S + Aᵀ G2 from
-// the same reads (the forward pass's W' and S'); with P the dots ⟨P, W⟩, ⟨P, S⟩ over those rows (the backward pass's
-// ∂β_n, ∂c_n, ∂e_n). `out` may be W (an in-place update: each element is read before it is written).
-// T rows of the state at a time, all their columns, in strips of SW vectors. The T × SW
-// sums of Aᵀ G of a strip (and of Aᵀ G2) stay in registers over all M rows of G, so each load of G serves T
-// multiply-adds and the T·SW chains run side by side; the state's own terms (and the dots) are added after the sums,
-// which so never wait on memory. A row block is T whole rows, contiguous in DRAM; the next one is prefetched into L2
-// strip by strip. ap: A transposed, padded and scaled by α ([K, Mp]); gp, gp2: G, G2 packed by strips
-// ([N / (SW·16)][Mp][SW·16]).
-template <int T, int SW, bool TWO>
-void combine_blocks(float* out, const float* W, float beta, const float* S, float c, const float* P, double* dots,
-                    float* out2, float e, const float* gp2, const float* ap, int64_t Mp, const float* gp, int64_t N,
-                    int64_t k0, int64_t k1) {
+// One batch element's operands of `combine_blocks` (pointers offset to it). From one read of the inputs W, S, P, Q
+// ([K, N], row-major) the pass writes
+//   out  = β W + c S + Aᵀ G                        (α folded into A; S may be absent)
+//   out2 = e S + Aᵀ G2                             (TWO: the forward pass's W' and S')
+// and, from the same reads, before anything is written,
+//   dots ⟨P, W⟩, ⟨P, S⟩                            (P present: the backward pass's ∂β_n, ∂c_n, ∂e_n)
+//   yw += x W,  ys += x S                          (XW: the queries' h W⁰, h S⁰; the backward's a ∂W', a ∂S')
+//   zw = gw Wᵀ + gs Sᵀ,  zp = gp Pᵀ + gq Qᵀ         (XWT: the backward's ∂a and ∂h)
+// Each of these would otherwise stream the state from DRAM once more (a chunk's states do not fit in cache).
+struct Pass {
+  float* out;
+  const float *W, *S, *P, *Q;
+  float* out2;
+  float beta, c, e;
+  const float* ap;           // A transposed, padded and scaled by α: [K][Mp]
+  const float *gp, *gp2;     // G, G2 packed by strips: [N / width][Mp][width]
+  int64_t Mp;
+  double* dots;              // ⟨P, W⟩, ⟨P, S⟩ added here
+  const float* xt;           // x transposed and padded: [K][Mxp]
+  int64_t Mx, Mxp;
+  float *yw, *ys;            // (x W)ᵀ, (x S)ᵀ: [N][Mxp], added to
+  const float* gt[4];        // gw, gs, gp, gq transposed and padded: [N][Mgp]
+  int64_t Mg, Mgp;
+  float *zw, *zp;            // [Mg][K]
+  int64_t K, N;
+};
+
+// Rows [k0, k1) of one batch element's pass (`Pass`). T rows of the state at a time, all their columns, in strips of
+// SW vectors. The T × SW sums of Aᵀ G of a strip (and of Aᵀ G2) stay in registers over all Mp rows of G, so each
+// load of G serves T multiply-adds and the T·SW chains run side by side; the state's own terms (and the dots) are
+// added after the sums, which so never wait on memory. A row block is T whole rows, contiguous in DRAM; the next one
+// is prefetched into L2 strip by strip. The strip just read is copied to a small buffer `tile` for the riders: its
+// rows, 4·N bytes apart in the state, would share one L1 set (8 ways) there. `x W` and `g Wᵀ` both broadcast each
+// element of the tile against a vector of 16 rows of x or g: x W is accumulated transposed (one vector per column,
+// in yw); g Wᵀ keeps T partial sums per output and per 16 rows of g in `zsum` across the strips of a row block.
+template <int T, int SW, bool TWO, bool XW, bool XWT>
+void combine_blocks(const Pass& p, int64_t k0, int64_t k1) {
   constexpr int WIDTH = SW * V;
-  const __m512 vb = _mm512_set1_ps(beta), vc = _mm512_set1_ps(c), ve = _mm512_set1_ps(e);
-  const bool stream = out != W && reinterpret_cast<uintptr_t>(out) % 64 == 0 &&
-                      (!TWO || reinterpret_cast<uintptr_t>(out2) % 64 == 0);
+  const int64_t N = p.N, Mp = p.Mp;
+  const __m512 vb = _mm512_set1_ps(p.beta), vc = _mm512_set1_ps(p.c), ve = _mm512_set1_ps(p.e);
+  const bool stream = p.out != p.W && reinterpret_cast<uintptr_t>(p.out) % 64 == 0 &&
+                      (!TWO || reinterpret_cast<uintptr_t>(p.out2) % 64 == 0);
+  alignas(64) float tile[4][T][WIDTH];  // W, S, P, Q of the current strip
+  std::vector<float> zsum(XWT ? p.Mgp / V * 2 * T * V : 0);
   __m512d dot_acc[4] = {_mm512_setzero_pd(), _mm512_setzero_pd(), _mm512_setzero_pd(), _mm512_setzero_pd()};
   for (int64_t kb = k0; kb < k1; kb += T) {
     const int rows = static_cast<int>(std::min<int64_t>(T, k1 - kb));
     const float* a[T];
-    for (int i = 0; i < T; ++i) a[i] = ap + std::min<int64_t>(kb + i, k1 - 1) * Mp;  // a short block repeats a row
+    const float* x[T];
+    for (int i = 0; i < T; ++i) {  // a short block repeats a row (its results are not written)
+      a[i] = p.ap + std::min<int64_t>(kb + i, k1 - 1) * Mp;
+      if constexpr (XW) x[i] = p.xt + std::min<int64_t>(kb + i, k1 - 1) * p.Mxp;
+    }
+    if constexpr (XWT) std::fill(zsum.begin(), zsum.end(), 0.0f);
     const int64_t next = kb + T;
     const int next_rows = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(T, k1 - next)));
     for (int64_t j = 0; j < N; j += WIDTH) {
       for (int i = 0; i < next_rows; ++i)
         for (int v = 0; v < SW; ++v) {
           const int64_t ahead = (next + i) * N + j + v * V;
-          _mm_prefetch(reinterpret_cast<const char*>(W + ahead), _MM_HINT_T1);
-          if (S) _mm_prefetch(reinterpret_cast<const char*>(S + ahead), _MM_HINT_T1);
-          if (P) _mm_prefetch(reinterpret_cast<const char*>(P + ahead), _MM_HINT_T1);
+          for (const float* m : {p.W, p.S, p.P, p.Q})
+            if (m) _mm_prefetch(reinterpret_cast<const char*>(m + ahead), _MM_HINT_T1);
         }
       __m512 acc[T][SW], acc2[TWO ? T : 1][SW];
 #pragma GCC unroll 16
@@ -254,8 +286,8 @@ void combine_blocks(float* out, const float* W, float beta, const float* S, floa
           acc[i][v] = _mm512_setzero_ps();
           if constexpr (TWO) acc2[i][v] = _mm512_setzero_ps();
         }
-      const float* g = gp + j * Mp;
-      const float* g2 = TWO ? gp2 + j * Mp : nullptr;
+      const float* g = p.gp + j * Mp;
+      const float* g2 = TWO ? p.gp2 + j * Mp : nullptr;
       for (int64_t r = 0; r < Mp; ++r) {
         __m512 gv[SW], gv2[TWO ? SW : 1];
 #pragma GCC unroll 4
@@ -276,41 +308,104 @@ void combine_blocks(float* out, const float* W, float beta, const float* S, floa
       __m512 dot_w = _mm512_setzero_ps(), dot_s = _mm512_setzero_ps();
 #pragma GCC unroll 16
       for (int i = 0; i < T; ++i) {
-        if (i >= rows) break;
+        if (i >= rows) {  // rows past the block's end: zeros in the tile, so that x W adds nothing for them
+          if constexpr (XW)
+            for (int v = 0; v < SW; ++v)
+              _mm512_store_ps(tile[0][i] + v * V, _mm512_setzero_ps()),
+                  _mm512_store_ps(tile[1][i] + v * V, _mm512_setzero_ps());
+          continue;
+        }
 #pragma GCC unroll 4
         for (int v = 0; v < SW; ++v) {
           const int64_t at_ = (kb + i) * N + j + v * V;
-          const __m512 w = _mm512_loadu_ps(W + at_);
+          const __m512 w = _mm512_loadu_ps(p.W + at_);
           __m512 o = _mm512_fmadd_ps(vb, w, acc[i][v]);
-          const __m512 pv = P ? _mm512_loadu_ps(P + at_) : _mm512_setzero_ps();
-          if (P) dot_w = _mm512_fmadd_ps(pv, w, dot_w);
-          __m512 o2 = _mm512_setzero_ps();
-          if (S) {
-            const __m512 sv = _mm512_loadu_ps(S + at_);
+          const __m512 pv = p.P ? _mm512_loadu_ps(p.P + at_) : _mm512_setzero_ps();
+          if (p.P) dot_w = _mm512_fmadd_ps(pv, w, dot_w);
+          __m512 o2 = _mm512_setzero_ps(), sv = _mm512_setzero_ps();
+          if (p.S) {
+            sv = _mm512_loadu_ps(p.S + at_);
             o = _mm512_fmadd_ps(vc, sv, o);
             if constexpr (TWO) o2 = _mm512_fmadd_ps(ve, sv, acc2[i][v]);
-            if (P) dot_s = _mm512_fmadd_ps(pv, sv, dot_s);
+            if (p.P) dot_s = _mm512_fmadd_ps(pv, sv, dot_s);
+          }
+          if constexpr (XW || XWT) {
+            _mm512_store_ps(tile[0][i] + v * V, w);
+            _mm512_store_ps(tile[1][i] + v * V, sv);
+          }
+          if constexpr (XWT) {
+            _mm512_store_ps(tile[2][i] + v * V, pv);
+            _mm512_store_ps(tile[3][i] + v * V, _mm512_loadu_ps(p.Q + at_));
           }
           if (stream) {
-            _mm512_stream_ps(out + at_, o);
-            if constexpr (TWO) _mm512_stream_ps(out2 + at_, o2);
+            _mm512_stream_ps(p.out + at_, o);
+            if constexpr (TWO) _mm512_stream_ps(p.out2 + at_, o2);
           } else {
-            _mm512_storeu_ps(out + at_, o);
-            if constexpr (TWO) _mm512_storeu_ps(out2 + at_, o2);
+            _mm512_storeu_ps(p.out + at_, o);
+            if constexpr (TWO) _mm512_storeu_ps(p.out2 + at_, o2);
           }
         }
       }
-      if (P) {  // T·SW float terms per lane, then into double lanes: 2^18 float32 terms in one register would lose digits
+      if (p.P) {  // T·SW float terms per lane, then into double lanes: 2^18 float32 terms in one register would lose digits
         dot_acc[0] = _mm512_add_pd(dot_acc[0], _mm512_cvtps_pd(_mm512_castps512_ps256(dot_w)));
         dot_acc[1] = _mm512_add_pd(dot_acc[1], _mm512_cvtps_pd(_mm512_extractf32x8_ps(dot_w, 1)));
         dot_acc[2] = _mm512_add_pd(dot_acc[2], _mm512_cvtps_pd(_mm512_castps512_ps256(dot_s)));
         dot_acc[3] = _mm512_add_pd(dot_acc[3], _mm512_cvtps_pd(_mm512_extractf32x8_ps(dot_s, 1)));
       }
+      if constexpr (XW) {  // column c of the strip: (x W)ᵀ[c] += Σ_i W[k_i, c] x[:, k_i], 16 rows of x in the lanes
+        for (int64_t q = 0; q < p.Mxp; q += V) {
+          __m512 xv[T];
+#pragma GCC unroll 16
+          for (int i = 0; i < T; ++i) xv[i] = _mm512_loadu_ps(x[i] + q);
+          float* yw = p.yw + j * p.Mxp + q;
+          float* ys = p.ys + j * p.Mxp + q;
+          for (int col = 0; col < WIDTH; ++col) {
+            __m512 sw = _mm512_loadu_ps(yw + col * p.Mxp), ss = _mm512_loadu_ps(ys + col * p.Mxp);
+#pragma GCC unroll 16
+            for (int i = 0; i < T; ++i) {
+              sw = _mm512_fmadd_ps(_mm512_set1_ps(tile[0][i][col]), xv[i], sw);
+              ss = _mm512_fmadd_ps(_mm512_set1_ps(tile[1][i][col]), xv[i], ss);
+            }
+            _mm512_storeu_ps(yw + col * p.Mxp, sw), _mm512_storeu_ps(ys + col * p.Mxp, ss);
+          }
+        }
+      }
+      if constexpr (XWT) {
+        for (int64_t rb = 0; rb < p.Mgp; rb += V) {
+          float* zs = zsum.data() + rb / V * 2 * T * V;
+          __m512 zw[T], zp[T];
+#pragma GCC unroll 16
+          for (int i = 0; i < T; ++i) zw[i] = _mm512_loadu_ps(zs + i * V), zp[i] = _mm512_loadu_ps(zs + (T + i) * V);
+          for (int col = 0; col < WIDTH; ++col) {
+            const int64_t at_ = (j + col) * p.Mgp + rb;
+            const __m512 g0 = _mm512_loadu_ps(p.gt[0] + at_), g1 = _mm512_loadu_ps(p.gt[1] + at_);
+            const __m512 g2_ = _mm512_loadu_ps(p.gt[2] + at_), g3 = _mm512_loadu_ps(p.gt[3] + at_);
+#pragma GCC unroll 16
+            for (int i = 0; i < T; ++i) {
+              zw[i] = _mm512_fmadd_ps(_mm512_set1_ps(tile[0][i][col]), g0, zw[i]);
+              zw[i] = _mm512_fmadd_ps(_mm512_set1_ps(tile[1][i][col]), g1, zw[i]);
+              zp[i] = _mm512_fmadd_ps(_mm512_set1_ps(tile[2][i][col]), g2_, zp[i]);
+              zp[i] = _mm512_fmadd_ps(_mm512_set1_ps(tile[3][i][col]), g3, zp[i]);
+            }
+          }
+#pragma GCC unroll 16
+          for (int i = 0; i < T; ++i) _mm512_storeu_ps(zs + i * V, zw[i]), _mm512_storeu_ps(zs + (T + i) * V, zp[i]);
+        }
+      }
     }
+    if constexpr (XWT)  // lane m of a row's sums is row rb + m of g: write them down the column k of zw, zp
+      for (int64_t rb = 0; rb < p.Mgp; rb += V) {
+        const float* zs = zsum.data() + rb / V * 2 * T * V;
+        for (int i = 0; i < rows; ++i)
+          for (int64_t m = 0; m < std::min<int64_t>(V, p.Mg - rb); ++m) {
+            p.zw[(rb + m) * p.K + kb + i] = zs[i * V + m];
+            p.zp[(rb + m) * p.K + kb + i] = zs[(T + i) * V + m];
+          }
+      }
   }
-  if (P) {
-    dots[0] += _mm512_reduce_add_pd(_mm512_add_pd(dot_acc[0], dot_acc[1]));
-    dots[1] += _mm512_reduce_add_pd(_mm512_add_pd(dot_acc[2], dot_acc[3]));
+  if (p.P) {
+    p.dots[0] += _mm512_reduce_add_pd(_mm512_add_pd(dot_acc[0], dot_acc[1]));
+    p.dots[1] += _mm512_reduce_add_pd(_mm512_add_pd(dot_acc[2], dot_acc[3]));
   }
   if (stream) _mm_sfence();
 }
@@ -406,14 +501,31 @@ void check_row_blocks(const RowBlocks& A, const RowBlocks& G, int64_t B, int64_t
   }
 }
 
+// rows[r][0:K) for r < M into dst [K][Mp] (transposed; rows M to Mp zeros), 64 columns at a time so that the
+// columns being written (4 KiB) stay in L1.
+void transpose_rows(const float* const* rows, int64_t M, int64_t Mp, int64_t K, float* dst) {
+  for (int64_t k0 = 0; k0 < K; k0 += 64) {
+    const int64_t k1 = std::min<int64_t>(K, k0 + 64);
+    for (int64_t r = 0; r < Mp; ++r)
+      for (int64_t k = k0; k < k1; ++k) dst[k * Mp + r] = r < M ? rows[r][k] : 0.0f;
+  }
+}
+
 // out = β W (+ c S) + α Aᵀ G: W, S, out [B, K, N] with N % 16 == 0; β, c [B]; A [B, M, K] and G [B, M, N] (inner
-// stride 1), each as blocks of rows. With P [B, K, N], also returns [B, 2] float64: ⟨P, W⟩ and ⟨P, S⟩ (0 without S),
-// from before the write. With out2 (needs S), also out2 = e S + α Aᵀ G2 (e [B], G2 blocks like G) in the same pass.
-torch::Tensor combine(torch::Tensor out, const torch::Tensor& W, const torch::Tensor& beta,
-                      const c10::optional<torch::Tensor>& S, const c10::optional<torch::Tensor>& c,
-                      const RowBlocks& A, const RowBlocks& G, double alpha,
-                      const c10::optional<torch::Tensor>& P, const c10::optional<torch::Tensor>& out2,
-                      const c10::optional<torch::Tensor>& e, const c10::optional<RowBlocks>& G2) {
+// stride 1), each as blocks of rows. `out` may be W. From the same reads of the inputs, before the write:
+// * with P [B, K, N]: [B, 2] float64, ⟨P, W⟩ and ⟨P, S⟩ (0 without S);
+// * with out2 (needs S): out2 = e S + α Aᵀ G2 (e [B], G2 blocks like G);
+// * with x [B, Mx, K] (needs S): x W and x S, [B, Mx, N] each;
+// * with gt = (gw, gs, gp, gq), each [B, Mg, N] with inner stride 1, and Q [B, K, N] (needs S and P):
+//   gw Wᵀ + gs Sᵀ and gp Pᵀ + gq Qᵀ, [B, Mg, K] each.
+// Returns [dots, x W, x S, gw Wᵀ + gs Sᵀ, gp Pᵀ + gq Qᵀ], undefined (None) where not asked for.
+std::vector<torch::Tensor> combine(torch::Tensor out, const torch::Tensor& W, const torch::Tensor& beta,
+                                   const c10::optional<torch::Tensor>& S, const c10::optional<torch::Tensor>& c,
+                                   const RowBlocks& A, const RowBlocks& G, double alpha,
+                                   const c10::optional<torch::Tensor>& P, const c10::optional<torch::Tensor>& out2,
+                                   const c10::optional<torch::Tensor>& e, const c10::optional<RowBlocks>& G2,
+                                   const c10::optional<torch::Tensor>& x, const c10::optional<RowBlocks>& gt,
+                                   const c10::optional<torch::Tensor>& Q) {
   check(out, "out", 3), check(W, "W", 3);
   const int64_t B = W.size(0), K = W.size(1), N = W.size(2);
   TORCH_CHECK(N % V == 0 && out.sizes() == W.sizes(), "combine: shapes do not fit");
@@ -422,14 +534,11 @@ torch::Tensor combine(torch::Tensor out, const torch::Tensor& W, const torch::Te
   TORCH_CHECK(S.has_value() == c.has_value(), "combine: S and c go together");
   const auto betas = batch_values(beta, "beta", B);
   const auto cs = S ? batch_values(*c, "c", B) : std::vector<float>(B, 0.0f);
-  if (S) {
-    check(*S, "S", 3);
-    TORCH_CHECK(S->sizes() == W.sizes(), "combine: S does not fit W");
-  }
-  if (P) {
-    check(*P, "P", 3);
-    TORCH_CHECK(P->sizes() == W.sizes(), "combine: P does not fit W");
-  }
+  for (const auto& [m, name] : {std::pair{&S, "S"}, std::pair{&P, "P"}, std::pair{&Q, "Q"}})
+    if (m->has_value()) {
+      check(**m, name, 3);
+      TORCH_CHECK((*m)->sizes() == W.sizes(), "combine: ", name, " does not fit W");
+    }
   TORCH_CHECK(out2.has_value() == e.has_value() && e.has_value() == G2.has_value() && (!out2 || S),
               "combine: out2, e and G2 go together, and need S");
   const auto es = out2 ? batch_values(*e, "e", B) : std::vector<float>(B, 0.0f);
@@ -437,46 +546,104 @@ torch::Tensor combine(torch::Tensor out, const torch::Tensor& W, const torch::Te
     check(*out2, "out2", 3), check_row_blocks(A, *G2, B, K, N, "combine (G2)");
     TORCH_CHECK(out2->sizes() == W.sizes(), "combine: out2 does not fit W");
   }
+  TORCH_CHECK(!x || S, "combine: x needs S");
+  if (x) {
+    check_small(*x, "x");
+    TORCH_CHECK(x->size(0) == B && x->size(2) == K, "combine: x does not fit W");
+  }
+  TORCH_CHECK(gt.has_value() == Q.has_value() && (!gt || (S && P && gt->size() == 4)),
+              "combine: gt (four tensors) and Q go together, and need S and P");
+  const int64_t Mg = gt ? (*gt)[0].size(1) : 0, Mgp = round_up(Mg, V);
+  if (gt)
+    for (const auto& t : *gt) {
+      check_small(t, "gt");
+      TORCH_CHECK(t.size(0) == B && t.size(1) == Mg && t.size(2) == N && t.stride(2) == 1,
+                  "combine: gt does not fit W");
+    }
   auto at_ = transpose_padded(A, Mp);
-  for (auto& x : at_) x *= static_cast<float>(alpha);
+  for (auto& v : at_) v *= static_cast<float>(alpha);
+  const int64_t Mx = x ? x->size(1) : 0, Mxp = round_up(std::max<int64_t>(Mx, 1), R);
+  const auto xt = x ? transpose_padded({*x}, Mxp) : std::vector<float>();
   const auto g = row_pointers(G), g2 = out2 ? row_pointers(*G2) : std::vector<const float*>();
+  std::vector<std::vector<const float*>> gt_rows;
+  if (gt)
+    for (const auto& t : *gt) gt_rows.push_back(row_pointers({t}));
   const int64_t parts = parts_per_batch(B, K);
-  const float* wp = W.data_ptr<float>();
-  const float* sp = S ? S->data_ptr<float>() : nullptr;
-  const float* pp = P ? P->data_ptr<float>() : nullptr;
-  float *op = out.data_ptr<float>(), *o2 = out2 ? out2->data_ptr<float>() : nullptr;
   std::vector<double> partial(B * parts * 2, 0.0);  // one slot per task: no sharing between threads
   // 16 accumulators either way: 8 rows × one vector × two outputs, or 8 rows × two vectors.
-  const int64_t width = out2 ? V : (N % (2 * V) == 0 ? 2 * V : V);
-  // G packed once per batch element, not per task: with fewer batch elements than threads, tasks share one.
-  std::vector<float> gp(B * N * Mp), gp2(out2 ? B * N * Mp : 0);
+  const int64_t width = out2 || x || gt ? V : (N % (2 * V) == 0 ? 2 * V : V);
+  // Small operands packed once per batch element, not per task: with fewer batch elements than threads, tasks
+  // share one.
+  std::vector<float> gp(B * N * Mp), gp2(out2 ? B * N * Mp : 0), gtp(gt ? 4 * B * N * Mgp : 0);
   at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       pack_strips(g.data() + b * M, M, Mp, N, width, gp.data() + b * N * Mp);
       if (out2) pack_strips(g2.data() + b * M, M, Mp, N, width, gp2.data() + b * N * Mp);
+      for (size_t u = 0; u < gt_rows.size(); ++u)
+        transpose_rows(gt_rows[u].data() + b * Mg, Mg, Mgp, N, gtp.data() + (u * B + b) * N * Mgp);
     }
   });
-  using Run = decltype(&combine_blocks<8, 1, false>);
-  const Run run = out2 ? combine_blocks<8, 1, true> : width == 2 * V ? combine_blocks<8, 2, false>
-                                                                     : combine_blocks<8, 1, false>;
+  const auto opts = W.options();
+  // x W and x S: each task adds into its own transposed copies; they are summed into the outputs after.
+  std::vector<float> xw_parts(x ? 2 * B * parts * N * Mxp : 0, 0.0f);
+  torch::Tensor zw = gt ? torch::empty({B, Mg, K}, opts) : torch::Tensor();
+  torch::Tensor zp = gt ? torch::empty({B, Mg, K}, opts) : torch::Tensor();
+  using Run = decltype(&combine_blocks<8, 1, false, false, false>);
+  TORCH_CHECK(!gt || !out2, "combine: gt with out2 is not supported");
+  const Run run = gt ? (x ? combine_blocks<8, 1, false, true, true> : combine_blocks<8, 1, false, false, true>)
+                  : x ? (out2 ? combine_blocks<8, 1, true, true, false> : combine_blocks<8, 1, false, true, false>)
+                  : out2 ? combine_blocks<8, 1, true, false, false>
+                  : width == 2 * V ? combine_blocks<8, 2, false, false, false>
+                                   : combine_blocks<8, 1, false, false, false>;
   at::parallel_for(0, B * parts, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = t / parts, off = b * K * N;
       const auto [k0, k1] = part_range(K, parts, t % parts, 1);
-      run(op + off, wp + off, betas[b], sp ? sp + off : nullptr, cs[b], pp ? pp + off : nullptr,
-          partial.data() + 2 * t, o2 ? o2 + off : nullptr, es[b], o2 ? gp2.data() + b * N * Mp : nullptr,
-          at_.data() + b * K * Mp, Mp, gp.data() + b * N * Mp, N, k0, k1);
+      Pass p{};
+      p.out = out.data_ptr<float>() + off, p.W = W.data_ptr<float>() + off;
+      p.S = S ? S->data_ptr<float>() + off : nullptr, p.P = P ? P->data_ptr<float>() + off : nullptr;
+      p.Q = Q ? Q->data_ptr<float>() + off : nullptr, p.out2 = out2 ? out2->data_ptr<float>() + off : nullptr;
+      p.beta = betas[b], p.c = cs[b], p.e = es[b];
+      p.ap = at_.data() + b * K * Mp, p.gp = gp.data() + b * N * Mp, p.gp2 = out2 ? gp2.data() + b * N * Mp : nullptr;
+      p.Mp = Mp, p.dots = partial.data() + 2 * t, p.K = K, p.N = N;
+      if (x) {
+        p.xt = xt.data() + b * K * Mxp, p.Mx = Mx, p.Mxp = Mxp;
+        p.yw = xw_parts.data() + 2 * t * N * Mxp, p.ys = p.yw + N * Mxp;
+      }
+      if (gt) {
+        for (int u = 0; u < 4; ++u) p.gt[u] = gtp.data() + (u * B + b) * N * Mgp;
+        p.Mg = Mg, p.Mgp = Mgp, p.zw = zw.data_ptr<float>() + b * Mg * K, p.zp = zp.data_ptr<float>() + b * Mg * K;
+      }
+      run(p, k0, k1);
     }
   });
-  auto dots = torch::zeros({B, 2}, torch::kFloat64);
-  auto d = dots.accessor<double, 2>();
-  for (int64_t t = 0; t < B * parts; ++t) d[t / parts][0] += partial[2 * t], d[t / parts][1] += partial[2 * t + 1];
-  return dots;
+  torch::Tensor xw_ = x ? torch::empty({B, Mx, N}, opts) : torch::Tensor();
+  torch::Tensor xs_ = x ? torch::empty({B, Mx, N}, opts) : torch::Tensor();
+  if (x)
+    at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b)
+        for (int u = 0; u < 2; ++u) {
+          float* y = (u ? xs_ : xw_).data_ptr<float>() + b * Mx * N;
+          for (int64_t t = b * parts; t < (b + 1) * parts; ++t) {
+            const float* own = xw_parts.data() + (2 * t + u) * N * Mxp;  // transposed: [N][Mxp]
+            for (int64_t m = 0; m < Mx; ++m)
+              for (int64_t k = 0; k < N; ++k)
+                y[m * N + k] = t == b * parts ? own[k * Mxp + m] : y[m * N + k] + own[k * Mxp + m];
+          }
+        }
+    });
+  torch::Tensor dots;
+  if (P) {
+    dots = torch::zeros({B, 2}, torch::kFloat64);
+    auto d = dots.accessor<double, 2>();
+    for (int64_t t = 0; t < B * parts; ++t) d[t / parts][0] += partial[2 * t], d[t / parts][1] += partial[2 * t + 1];
+  }
+  return {dots, xw_, xs_, zw, zp};
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("xw", &xw, "out (=|+=) X W");
   m.def("xwt", &xwt, "out (=|+=) G W^T");
-  m.def("combine", &combine, "out = beta W (+ c S) + alpha A^T G; with P, the dots <P, W> and <P, S>; with out2, "
-        "also out2 = e S + alpha A^T G2");
+  m.def("combine", &combine, "out = beta W (+ c S) + alpha A^T G; from the same reads, the dots <P, W> and <P, S>, "
+        "out2 = e S + alpha A^T G2, x W and x S, gw W^T + gs S^T and gp P^T + gq Q^T");
 }
