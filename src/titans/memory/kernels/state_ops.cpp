@@ -36,20 +36,30 @@ int64_t total_rows(const RowBlocks& x) {
   return M;
 }
 
+// Batch element b of RowBlocks [B, M, K] (any strides) -> dst [K][Mp], Mp ≥ M, rows M to Mp left as they are
+// (zeros in a zeroed buffer). 64 columns at a time, so that the columns being written (64 · 4 · Mp bytes) stay in L1.
+void transpose_batch(const RowBlocks& x, int64_t b, int64_t Mp, float* dst) {
+  const int64_t K = x[0].size(2);
+  int64_t row = 0;
+  for (const auto& t : x) {
+    const float* src = t.data_ptr<float>() + b * t.stride(0);
+    const int64_t rs = t.stride(1), cs = t.stride(2);
+    for (int64_t k0 = 0; k0 < K; k0 += 64) {
+      const int64_t k1 = std::min<int64_t>(K, k0 + 64);
+      for (int64_t r = 0; r < t.size(1); ++r)
+        for (int64_t k = k0; k < k1; ++k) dst[k * Mp + row + r] = src[r * rs + k * cs];
+    }
+    row += t.size(1);
+  }
+}
+
 // RowBlocks [B, M, K] -> [B][K][Mp] with Mp = M rounded up to R and zero rows: row block r of column k is
 // contiguous, and the padding rows contribute zeros, so the inner loops never test the row count. Plain loops:
 // two ATen calls (zeros, copy_) per product cost more than the copy itself.
 std::vector<float> transpose_padded(const RowBlocks& x, int64_t Mp) {
   const int64_t B = x[0].size(0), K = x[0].size(2);
   std::vector<float> out(B * K * Mp, 0.0f);
-  int64_t row = 0;
-  for (const auto& t : x) {
-    const auto a = t.accessor<float, 3>();
-    for (int64_t b = 0; b < B; ++b)
-      for (int64_t r = 0; r < t.size(1); ++r)
-        for (int64_t k = 0; k < K; ++k) out[(b * K + k) * Mp + row + r] = a[b][r][k];
-    row += t.size(1);
-  }
+  for (int64_t b = 0; b < B; ++b) transpose_batch(x, b, Mp, out.data() + b * K * Mp);
   return out;
 }
 
@@ -501,16 +511,6 @@ void check_row_blocks(const RowBlocks& A, const RowBlocks& G, int64_t B, int64_t
   }
 }
 
-// rows[r][0:K) for r < M into dst [K][Mp] (transposed; rows M to Mp zeros), 64 columns at a time so that the
-// columns being written (4 KiB) stay in L1.
-void transpose_rows(const float* const* rows, int64_t M, int64_t Mp, int64_t K, float* dst) {
-  for (int64_t k0 = 0; k0 < K; k0 += 64) {
-    const int64_t k1 = std::min<int64_t>(K, k0 + 64);
-    for (int64_t r = 0; r < Mp; ++r)
-      for (int64_t k = k0; k < k1; ++k) dst[k * Mp + r] = r < M ? rows[r][k] : 0.0f;
-  }
-}
-
 // out = β W (+ c S) + α Aᵀ G: W, S, out [B, K, N] with N % 16 == 0; β, c [B]; A [B, M, K] and G [B, M, N] (inner
 // stride 1), each as blocks of rows. `out` may be W. From the same reads of the inputs, before the write:
 // * with P [B, K, N]: [B, 2] float64, ⟨P, W⟩ and ⟨P, S⟩ (0 without S);
@@ -565,22 +565,19 @@ std::vector<torch::Tensor> combine(torch::Tensor out, const torch::Tensor& W, co
   const int64_t Mx = x ? x->size(1) : 0, Mxp = round_up(std::max<int64_t>(Mx, 1), R);
   const auto xt = x ? transpose_padded({*x}, Mxp) : std::vector<float>();
   const auto g = row_pointers(G), g2 = out2 ? row_pointers(*G2) : std::vector<const float*>();
-  std::vector<std::vector<const float*>> gt_rows;
-  if (gt)
-    for (const auto& t : *gt) gt_rows.push_back(row_pointers({t}));
   const int64_t parts = parts_per_batch(B, K);
   std::vector<double> partial(B * parts * 2, 0.0);  // one slot per task: no sharing between threads
   // 16 accumulators either way: 8 rows × one vector × two outputs, or 8 rows × two vectors.
   const int64_t width = out2 || x || gt ? V : (N % (2 * V) == 0 ? 2 * V : V);
   // Small operands packed once per batch element, not per task: with fewer batch elements than threads, tasks
   // share one.
-  std::vector<float> gp(B * N * Mp), gp2(out2 ? B * N * Mp : 0), gtp(gt ? 4 * B * N * Mgp : 0);
+  std::vector<float> gp(B * N * Mp), gp2(out2 ? B * N * Mp : 0), gtp(gt ? 4 * B * N * Mgp : 0, 0.0f);
   at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       pack_strips(g.data() + b * M, M, Mp, N, width, gp.data() + b * N * Mp);
       if (out2) pack_strips(g2.data() + b * M, M, Mp, N, width, gp2.data() + b * N * Mp);
-      for (size_t u = 0; u < gt_rows.size(); ++u)
-        transpose_rows(gt_rows[u].data() + b * Mg, Mg, Mgp, N, gtp.data() + (u * B + b) * N * Mgp);
+      if (gt)
+        for (int u = 0; u < 4; ++u) transpose_batch({(*gt)[u]}, b, Mgp, gtp.data() + (u * B + b) * N * Mgp);
     }
   });
   const auto opts = W.options();
