@@ -169,6 +169,24 @@ def test_a_state_file_records_its_model(tmp_path):
         save_state([], tmp_path / "x.safetensors", config={"variant": "mag"})
 
 
+def test_save_state_overwrites_nothing_unless_asked(tmp_path):
+    model = tiny_model("lmm")
+    path = tmp_path / "state.safetensors"
+    first, second = model.memorize(tokens(1, 9)), model.memorize(tokens(1, 9, seed=3))
+    save_state(first, path)
+    before = path.read_bytes()
+    with pytest.raises(ValueError, match="already exists; pass overwrite=True"):
+        save_state(second, path)
+    with pytest.raises(ValueError, match="is a directory"):
+        save_state(second, tmp_path)
+    with pytest.raises(ValueError, match="config must be a titans config"):  # a failed save leaves the old file
+        save_state(second, path, config={"variant": "lmm"}, overwrite=True)
+    assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["state.safetensors"]
+    save_state(second, path, overwrite=True)
+    query = tokens(1, 4, seed=2)
+    assert torch.equal(model(query, load_state(path))[0], model(query, second)[0])
+
+
 def test_memorize_then_query_equals_one_pass():
     model = tiny_model("mac")
     document, query = tokens(1, 20), tokens(1, 5, seed=5)

@@ -89,15 +89,29 @@ def _unflatten(node: dict, tensors: dict[str, Tensor]) -> Any:
     raise ValueError(f"unreadable state node {sorted(node)}")
 
 
-def save_state(state: Any, path: str | Path, config: Optional[Config] = None) -> None:
+def save_state(state: Any, path: str | Path, config: Optional[Config] = None, overwrite: bool = False) -> None:
     """Write `state` (a model's recurrent state, or any nesting of the types above) to `path`; with the
-    model's `config` (`model.config`), record it so that `load_state` can check the state belongs to it."""
+    model's `config` (`model.config`), record it so that `load_state` can check the state belongs to it.
+
+    An existing file is refused unless `overwrite`. The file is written beside `path` and renamed over it at the
+    end, so a write that fails (a state that cannot be saved, a full disk) leaves what was there before intact.
+    """
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"state path {path} is a directory; give a file name (e.g. {path / 'state.safetensors'})")
+    if path.exists() and not overwrite:
+        raise ValueError(f"state file {path} already exists; pass overwrite=True to replace it")
     tensors: dict[str, Tensor] = {}
     structure = _flatten(state, "state", tensors)
     metadata = {METADATA_KEY: json.dumps(structure)}
     if config is not None:
         metadata[CONFIG_KEY] = json.dumps(_config_dict(config))
-    save_file(tensors, str(path), metadata=metadata)
+    partial = path.with_name(f".{path.name}.partial")
+    try:
+        save_file(tensors, str(partial), metadata=metadata)
+        partial.replace(path)
+    finally:
+        partial.unlink(missing_ok=True)
 
 
 def _config_dict(config: Config) -> dict:
