@@ -40,6 +40,21 @@ def test_fused_matches_autograd_values_and_gradients(depth, activation, residual
         assert (unbounded - fused[0][0]).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("used", ["y", "states", "W_1"])
+def test_outputs_the_loss_leaves_out_get_no_gradient(used):
+    """The backward pass receives None, not zeros, for an output the loss does not use (usually the final state;
+    the output y when only the state is carried on): it must treat None as zeros."""
+    args = make_inputs(seq=23, depth=2, requires_grad=True)
+    grads = []
+    for implementation in ("fused", "autograd"):
+        y, W, S = parallel_memory(*args, chunk_size=4, implementation=implementation)
+        picked = {"y": [y], "states": [*W, *S], "W_1": [W[0]]}[used]
+        loss = sum((o * o.detach().cos()).sum() for o in picked)
+        got = torch.autograd.grad(loss, flat(args), allow_unused=True)
+        grads.append([torch.zeros_like(x) if g is None else g for g, x in zip(got, flat(args))])
+    assert max_diff(grads[0], grads[1]) <= 1e-10
+
+
 def test_large_states_take_the_blas_dot_path():
     """States of 64k elements or more per (batch, head) use per-batch BLAS dots for the decay gradients."""
     args = make_inputs(batch=2, heads=1, seq=10, dim=64, hidden=1024, requires_grad=True)

@@ -426,6 +426,9 @@ class MemoryScan(torch.autograd.Function):
             _release(buf)
         if cfg.record:
             ctx.cfg, ctx.n_state = cfg, len(state)
+            # An output the loss does not use (in training, usually the final state) gets None in the backward pass
+            # instead of a state-sized tensor of zeros that would only be copied.
+            ctx.set_materialize_grads(False)
             ctx.save_for_backward(q, k, v, theta, eta, alpha, *state, *boundaries)
         return (y, *final)
 
@@ -468,8 +471,8 @@ class MemoryScan(torch.autograd.Function):
         d_slots, recompute_slots = slots[:2], slots[2:]
         d_cur = d_slots[0]
         for t, d in zip(d_cur, d_final):
-            t.copy_(d)
-        dy = dy.contiguous()
+            t.zero_() if d is None else t.copy_(d)
+        dy = q.new_zeros(q.shape[:2] + (v.shape[2],)) if dy is None else dy.contiguous()
         d_q, d_k, d_v, d_theta = (torch.empty_like(t) for t in (q, k, v, theta))
         y_scratch = torch.empty_like(dy) if kept is None else None
 
