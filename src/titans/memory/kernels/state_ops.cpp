@@ -638,9 +638,12 @@ std::vector<torch::Tensor> combine(torch::Tensor out, const torch::Tensor& W, co
   return {dots, xw_, xs_, zw, zp};
 }
 
+// Like ATen's operators, the kernels release the GIL while they run: other Python threads (a data loader, a second
+// model) go on meanwhile.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("xw", &xw, "out (=|+=) X W");
-  m.def("xwt", &xwt, "out (=|+=) G W^T");
+  using release = pybind11::call_guard<pybind11::gil_scoped_release>;
+  m.def("xw", &xw, "out (=|+=) X W", release());
+  m.def("xwt", &xwt, "out (=|+=) G W^T", release());
   m.def("combine", &combine, "out = beta W (+ c S) + alpha A^T G; from the same reads, the dots <P, W> and <P, S>, "
-        "out2 = e S + alpha A^T G2, x W and x S, gw W^T + gs S^T and gp P^T + gq Q^T");
+        "out2 = e S + alpha A^T G2, x W and x S, gw W^T + gs S^T and gp P^T + gq Q^T", release());
 }
