@@ -27,6 +27,7 @@ from .lmm import build_lmm_mixer
 from .mac import build_mac_mixer
 from .mag import build_mag_mixer
 from .mal import build_mal_mixer
+from .state_io import staged_writes
 
 MIXERS: dict[str, Callable[[TitansConfig], nn.Module]] = {
     "lmm": build_lmm_mixer,
@@ -174,15 +175,9 @@ class TitansLM(nn.Module):
         if not overwrite and any((directory / name).exists() for name in names):
             raise ValueError(f"{directory} already holds a saved model; pass overwrite=True to replace it")
         directory.mkdir(parents=True, exist_ok=True)
-        staged = {name: directory / f".{name}.partial" for name in names}
-        try:
-            staged["config.json"].write_text(json.dumps(self.config.to_dict(), indent=2))
-            save_model(self, str(staged["model.safetensors"]))
-            for name, path in staged.items():
-                path.replace(directory / name)
-        finally:
-            for path in staged.values():
-                path.unlink(missing_ok=True)
+        with staged_writes(*(directory / name for name in names)) as (config_file, weights_file):
+            config_file.write_text(json.dumps(self.config.to_dict(), indent=2))
+            save_model(self, str(weights_file))
 
     @classmethod
     def from_pretrained(cls, directory: Union[str, Path], device: str = "cpu") -> "TitansLM":

@@ -14,11 +14,12 @@ so only the record tells them apart.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import json
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -106,12 +107,22 @@ def save_state(state: Any, path: str | Path, config: Optional[Config] = None, ov
     metadata = {METADATA_KEY: json.dumps(structure)}
     if config is not None:
         metadata[CONFIG_KEY] = json.dumps(_config_dict(config))
-    partial = path.with_name(f".{path.name}.partial")
-    try:
+    with staged_writes(path) as (partial,):
         save_file(tensors, str(partial), metadata=metadata)
-        partial.replace(path)
+
+
+@contextlib.contextmanager
+def staged_writes(*targets: Path) -> Iterator[list[Path]]:
+    """Paths to write `targets` under (`.name.partial` beside each). They are renamed over the targets together once
+    the block completes, and removed if it fails, so a save that fails leaves what was there before whole."""
+    staged = [target.with_name(f".{target.name}.partial") for target in targets]
+    try:
+        yield staged
+        for partial, target in zip(staged, targets):
+            partial.replace(target)
     finally:
-        partial.unlink(missing_ok=True)
+        for partial in staged:
+            partial.unlink(missing_ok=True)
 
 
 def _config_dict(config: Config) -> dict:
