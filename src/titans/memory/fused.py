@@ -35,7 +35,7 @@ from torch import Tensor
 from .checks import without_autocast
 from .decays import chunk_decays
 from .mlp import ACTIVATION_VJPS, ACTIVATIONS, forward_cached, grad_norm_scale, token_grad_sq_norm
-from .state_ops import combine, xw, xwt
+from .state_ops import combine, kernels, xw, xwt
 
 State = list[Tensor]  # [W_1, S_1, W_2, S_2, …], each [BH, d_in, d_out]
 
@@ -334,12 +334,20 @@ def _chunk_backward(
 
 # --- the scan over chunks ----------------------------------------------------------------------------
 
+# The chunk loop runs in C++ (`kernels/scan.cpp`: `_run_chunks` and `_backward_chunks` line for line, one slice of
+# batch·heads rows per thread) wherever the kernels are built and the tensors are on the CPU; False keeps it in
+# Python, the reference that loop is tested against (`tests/memory/test_native_scan.py`).
+NATIVE = True
 
-def _chunk_bounds(seq: int, chunk_size: int) -> list[tuple[int, int]]:
-    bounds = [(s, s + chunk_size) for s in range(0, seq - seq % chunk_size, chunk_size)]
-    if seq % chunk_size:
-        bounds.append((seq - seq % chunk_size, seq))
-    return bounds
+
+def _native(x: Tensor):
+    """The compiled module whose chunk loop serves `x`, or None."""
+    return kernels() if NATIVE and x.is_cpu else None
+
+
+def _bounds(j: int, seq: int, chunk_size: int) -> tuple[int, int]:
+    """Token range of chunk j; the last chunk of a ragged sequence is shorter."""
+    return j * chunk_size, min((j + 1) * chunk_size, seq)
 
 
 def _block_decays(eta: Tensor, alpha: Tensor, chunk_size: int) -> list[ChunkDecays]:
@@ -355,9 +363,11 @@ def _block_decays(eta: Tensor, alpha: Tensor, chunk_size: int) -> list[ChunkDeca
     return blocks
 
 
-def _chunk_views(blocks: list[ChunkDecays]) -> list[ChunkDecays]:
-    """Per-chunk views into the blocks of `_block_decays`, in sequence order."""
-    return [ChunkDecays(*(x[:, j] for x in block)) for block in blocks for j in range(block.beta.shape[1])]
+def _decays_of(blocks: list[ChunkDecays], j: int) -> ChunkDecays:
+    """Chunk j's view into the blocks of `_block_decays`."""
+    full = blocks[0].beta.shape[1]
+    block, at = (blocks[0], j) if j < full or len(blocks) == 1 else (blocks[1], j - full)
+    return ChunkDecays(*(x[:, at] for x in block))
 
 
 def _groups(num_chunks: int, group_chunks: Optional[int]) -> list[range]:
@@ -369,19 +379,58 @@ def _state_numel(state: State) -> int:
     return sum(t.numel() for t in state)
 
 
-def _recompute_group(cfg: ScanConfig, start: State, chunks: range, bounds, q, k, v, theta, decays, y: Tensor,
-                     slots: list[State], last: Optional[State] = None) -> tuple[list[State], list[ChunkCache]]:
-    """Run the chunks of a group from `start`, chunk idx ending in `slots[idx]` and the last one in `last`
-    (None: not computed); return every chunk's starting state and cache."""
-    starts, caches = [start], []
+class Record(NamedTuple):
+    """What the backward pass needs of a run of chunks (the native loop keeps its own, `ScanRecord`)."""
+
+    first_chunk: int
+    starts: list[State]  # each chunk's starting state
+    caches: list[ChunkCache]
+
+
+def _run_chunks(cfg: ScanConfig, keep: bool, start: State, chunks: range, q, k, v, theta, blocks: list[ChunkDecays],
+                y: Tensor, slots: list[State], last: Optional[State]):
+    """Run `chunks` from `start`: chunk idx ends in `slots[idx % len(slots)]`, the last one in `last` (None: not
+    computed). With `keep`, return what `_backward_chunks` needs (a `Record`), else None."""
+    native = _native(q)
+    if native is not None:
+        record = native.run_chunks(cfg.chunk_size, cfg.activation, cfg.residual, cfg.max_grad_norm, cfg.record, keep,
+                                   start, chunks.start, chunks.stop, q, k, v, theta, [list(b) for b in blocks], y,
+                                   slots, last or [])
+        return record if keep else None
+    starts, caches, cur = [], [], start
     for idx, j in enumerate(chunks):
-        s, e = bounds[j]
-        nxt = slots[idx] if idx + 1 < len(chunks) else last
-        caches.append(_chunk_forward(cfg, starts[-1], q[:, s:e], k[:, s:e], v[:, s:e], theta[:, s:e], decays[j],
-                                     y[:, s:e], nxt))
-        if nxt is not None:
-            starts.append(nxt)
-    return starts, caches
+        s, e = _bounds(j, q.shape[1], cfg.chunk_size)
+        nxt = slots[idx % len(slots)] if j + 1 < chunks.stop else last
+        cache = _chunk_forward(cfg, cur, q[:, s:e], k[:, s:e], v[:, s:e], theta[:, s:e], _decays_of(blocks, j),
+                               y[:, s:e], nxt)
+        if keep:
+            starts.append(cur)
+            caches.append(cache)
+        cur = nxt
+    return Record(chunks.start, starts, caches) if keep else None
+
+
+def _backward_chunks(cfg: ScanConfig, record, theta: Tensor, blocks: list[ChunkDecays], d_blocks: list[ChunkDecays],
+                     dy: Tensor, d_end: State, targets: list[State], d_q: Tensor, d_k: Tensor, d_v: Tensor,
+                     d_theta: Tensor) -> None:
+    """The recorded chunks in reverse: the i-th from the end writes the gradient of its starting state into
+    `targets[i]`, given that of its end state (`d_end`, then the previous target), and its rows of d_q, d_k, d_v,
+    d_theta and of the decays' gradients `d_blocks`."""
+    if not isinstance(record, Record):
+        _native(dy).backward_chunks(cfg.chunk_size, cfg.activation, cfg.residual, cfg.max_grad_norm, record, theta,
+                                    [list(b) for b in blocks], [list(b) for b in d_blocks], dy, d_end, targets, d_q,
+                                    d_k, d_v, d_theta)
+        return
+    d_cur = d_end
+    for i, idx in enumerate(range(len(record.caches) - 1, -1, -1)):
+        j = record.first_chunk + idx
+        s, e = _bounds(j, dy.shape[1], cfg.chunk_size)
+        grads = _chunk_backward(cfg, record.starts[idx], record.caches[idx], theta[:, s:e], _decays_of(blocks, j),
+                                dy[:, s:e], d_cur, targets[i])
+        d_q[:, s:e], d_k[:, s:e], d_v[:, s:e], d_theta[:, s:e] = grads.q, grads.k, grads.v, grads.theta
+        for dst, src in zip(_decays_of(d_blocks, j), grads.decays):
+            dst.copy_(src)
+        d_cur = targets[i]
 
 
 class MemoryScan(torch.autograd.Function):
@@ -394,18 +443,18 @@ class MemoryScan(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, cfg: ScanConfig, q, k, v, theta, eta, alpha, *state):  # type: ignore[override]
-        bounds = _chunk_bounds(q.shape[1], cfg.chunk_size)
-        decays = _chunk_views(_block_decays(eta, alpha, cfg.chunk_size))
-        groups = _groups(len(bounds), cfg.group_chunks) if cfg.record else [range(len(bounds))]
+        num_chunks = -(-q.shape[1] // cfg.chunk_size)
+        blocks = _block_decays(eta, alpha, cfg.chunk_size)
+        groups = _groups(num_chunks, cfg.group_chunks) if cfg.record else [range(num_chunks)]
         y = q.new_empty(q.shape[:2] + (v.shape[2],))
         template = list(state)
         ctx.kept = None
         if cfg.record and len(groups) == 1:
-            buf = _acquire(max(len(bounds) - 1, 1) * _state_numel(template), q)
+            buf = _acquire(max(num_chunks - 1, 1) * _state_numel(template), q)
             final = _fresh_like(template)
-            starts, caches = _recompute_group(cfg, template, groups[0], bounds, q, k, v, theta, decays, y,
-                                              _carve(buf, template, len(bounds) - 1), final)
-            ctx.kept = (buf, starts, caches)
+            record = _run_chunks(cfg, True, template, groups[0], q, k, v, theta, blocks, y,
+                                 _carve(buf, template, num_chunks - 1), final)
+            ctx.kept = (buf, record)
             boundaries: list[Tensor] = []
         else:
             buf = _acquire(2 * _state_numel(template), q)
@@ -414,14 +463,11 @@ class MemoryScan(torch.autograd.Function):
             for chunks in groups:
                 if chunks.start > 0:
                     boundaries.extend(cur)
-                for idx, j in enumerate(chunks):
-                    s, e = bounds[j]
-                    # Chunks alternate between the two slots; a group's end state is fresh memory (saved
-                    # as the next group's boundary, or returned).
-                    nxt = _fresh_like(template) if idx == len(chunks) - 1 else slots[idx % 2]
-                    _chunk_forward(cfg, cur, q[:, s:e], k[:, s:e], v[:, s:e], theta[:, s:e], decays[j], y[:, s:e],
-                                   nxt)
-                    cur = nxt
+                # Chunks alternate between the two slots; a group's end state is fresh memory (saved as the next
+                # group's boundary, or returned).
+                last = _fresh_like(template)
+                _run_chunks(cfg, False, cur, chunks, q, k, v, theta, blocks, y, slots, last)
+                cur = last
             final = cur
             _release(buf)
         if cfg.record:
@@ -451,17 +497,15 @@ class MemoryScan(torch.autograd.Function):
         n = ctx.n_state
         boundaries = [list(saved[i : i + n]) for i in range(0, len(saved), n)]  # first: the input state
         template = boundaries[0]
-        bounds = _chunk_bounds(q.shape[1], cfg.chunk_size)
+        num_chunks = -(-q.shape[1] // cfg.chunk_size)
         # The gate algebra (η, α -> decays) is small: autograd differentiates it at the end, from this graph.
         with torch.enable_grad():
             eta_, alpha_ = eta.detach().requires_grad_(), alpha.detach().requires_grad_()
             graph_blocks = _block_decays(eta_, alpha_, cfg.chunk_size)
         blocks = [ChunkDecays(*(x.detach() for x in block)) for block in graph_blocks]
-        decays = _chunk_views(blocks)
         d_blocks = [ChunkDecays(*(torch.zeros_like(x) for x in block)) for block in blocks]
-        d_decays = _chunk_views(d_blocks)
         kept, ctx.kept = ctx.kept, None
-        groups = [range(len(bounds))] if kept is not None else _groups(len(bounds), cfg.group_chunks)
+        groups = [range(num_chunks)] if kept is not None else _groups(num_chunks, cfg.group_chunks)
 
         # Workspace: two slots between which the state gradient ping-pongs, then (recomputing) the chunk
         # states of one group.
@@ -479,23 +523,16 @@ class MemoryScan(torch.autograd.Function):
         flip = 1
         for g in range(len(groups) - 1, -1, -1):
             chunks = groups[g]
-            if kept is not None:
-                starts, caches = kept[1], kept[2]
-            else:
-                starts, caches = _recompute_group(cfg, boundaries[g], chunks, bounds, q, k, v, theta, decays,
-                                                  y_scratch, recompute_slots)
-            for idx in range(len(chunks) - 1, -1, -1):
-                j = chunks[idx]
-                s, e = bounds[j]
-                # The first chunk's gradient leaves the function: fresh memory, not the workspace.
-                d_prev = _fresh_like(template) if j == 0 else d_slots[flip]
-                grads = _chunk_backward(cfg, starts[idx], caches[idx], theta[:, s:e], decays[j], dy[:, s:e],
-                                        d_cur, d_prev)
-                d_q[:, s:e], d_k[:, s:e], d_v[:, s:e], d_theta[:, s:e] = grads.q, grads.k, grads.v, grads.theta
-                for dst, src in zip(d_decays[j], grads.decays):
-                    dst.copy_(src)
-                d_cur, flip = d_prev, 1 - flip
-            del starts, caches
+            record = kept[1] if kept is not None else _run_chunks(cfg, True, boundaries[g], chunks, q, k, v, theta,
+                                                                  blocks, y_scratch, recompute_slots, None)
+            # The first chunk's gradient leaves the function: fresh memory, not the workspace.
+            targets = []
+            for j in reversed(chunks):
+                targets.append(_fresh_like(template) if j == 0 else d_slots[flip])
+                flip = 1 - flip
+            _backward_chunks(cfg, record, theta, blocks, d_blocks, dy, d_cur, targets, d_q, d_k, d_v, d_theta)
+            d_cur = targets[-1]
+            del record
         _release(buf)
         if kept is not None:
             _release(kept[0])

@@ -36,7 +36,8 @@ from typing import NamedTuple, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-_SOURCE = Path(__file__).with_name("kernels") / "state_ops.cpp"
+_KERNELS = Path(__file__).with_name("kernels")
+_SOURCES = [_KERNELS / "state_ops.cpp", _KERNELS / "scan.cpp"]  # and state_ops.h, which both include
 MIN_ROWS = 8  # below this the zero-padded 16-row register blocks waste more than the kernels gain
 Rows = Union[Tensor, Sequence[Tensor]]  # a small operand, or blocks of its rows: [batch, m_j, d] stacked along m
 
@@ -144,14 +145,16 @@ def _build():
 
         # -march=native: the build is for this CPU; its flags are in the name so that a cache directory shared
         # with another machine never hands it a binary for other instructions.
-        digest = hashlib.sha1(" ".join(sorted(flags)).encode()).hexdigest()[:10]
+        # The header is in the name too: `load` rebuilds when a source changes, but does not look at headers.
+        key = " ".join(sorted(flags)).encode() + (_KERNELS / "state_ops.h").read_bytes()
+        digest = hashlib.sha1(key).hexdigest()[:10]
         try:
-            return load(f"titans_state_ops_{digest}", [str(_SOURCE)], extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                        extra_ldflags=["-fopenmp"], verbose=False)
+            return load(f"titans_state_ops_{digest}", [str(p) for p in _SOURCES],
+                        extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
         except Exception as err:  # a broken toolchain must not stop the library: the references remain
             lines = str(err).splitlines()
             first = next((line for line in lines if "error:" in line), lines[-1] if lines else type(err).__name__)
-            reason = f"building {_SOURCE.name} failed: {first.strip()}"
+            reason = f"building {_KERNELS.name}/ failed: {first.strip()}"
     if os.environ.get("TITANS_KERNELS") == "1":
         raise RuntimeError(f"TITANS_KERNELS=1 but the state kernels are unavailable: {reason}")
     warnings.warn(f"titans: fused-memory state kernels unavailable ({reason}); using ATen matmuls", stacklevel=3)

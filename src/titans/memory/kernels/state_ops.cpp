@@ -8,7 +8,8 @@
 // the state update in one pass; `x W` then runs at 120–165 GFLOP/s from DRAM. The update's pass also forms the
 // other products a chunk needs of the same inputs at that point (`Pass`), so that they cost no further read of the
 // state. Plain ATen references beside them in state_ops.py; tests/memory/test_state_ops.py compares the two.
-#include <torch/extension.h>
+#include "state_ops.h"
+
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
@@ -24,11 +25,6 @@ constexpr int R = 16;  // rows per register block: one accumulator per row
 constexpr int64_t PREFETCH_ROWS = 8;
 
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
-
-// A small operand given as blocks of rows: [B, m_j, K] tensors (any strides) stacked along the rows, M = Σ m_j
-// rows in all. The backward pass's updates collect their rank-n terms from several tensors; reading them in place
-// saves the concatenation (2% of a training step).
-using RowBlocks = std::vector<torch::Tensor>;
 
 int64_t total_rows(const RowBlocks& x) {
   int64_t M = 0;
@@ -83,8 +79,10 @@ std::pair<int64_t, int64_t> part_range(int64_t extent, int64_t parts, int64_t pa
   return {lo * align, hi * align};
 }
 
-// Enough tasks for every thread to have two when the batch alone does not give them.
+// Enough tasks for every thread to have two when the batch alone does not give them. Called from a slice of the
+// native scan (scan.cpp), which already runs on its own thread, one task per batch element.
 int64_t parts_per_batch(int64_t batch, int64_t units) {
+  if (at::in_parallel_region()) return 1;
   const int64_t want = (2 * at::get_num_threads() + batch - 1) / batch;
   return std::max<int64_t>(1, std::min(want, units));
 }
@@ -644,6 +642,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using release = pybind11::call_guard<pybind11::gil_scoped_release>;
   m.def("xw", &xw, "out (=|+=) X W", release());
   m.def("xwt", &xwt, "out (=|+=) G W^T", release());
+  register_scan(m);
   m.def("combine", &combine, "out = beta W (+ c S) + alpha A^T G; from the same reads, the dots <P, W> and <P, S>, "
         "out2 = e S + alpha A^T G2, x W and x S, gw W^T + gs S^T and gp P^T + gq Q^T", release());
 }

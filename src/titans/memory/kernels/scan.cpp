@@ -1,0 +1,440 @@
+// The fused scan's chunk loop (fused.py: `_chunk_forward`, `_chunk_backward`, `_run_chunks`, `_backward_chunks`)
+// in C++, line for line, so that it runs outside the interpreter and on every core at once.
+//
+// In Python a chunk is ~400 small ATen calls between its state kernels: ~30 ms a training step of interpreter
+// and ~45 ms of small operations that each run on one core while the other waits (README, "Where a step goes").
+// Here the batch·heads rows are cut into one slice per thread, and each thread runs the whole chunk loop for its
+// slice (the slices never meet: each memory is its own recurrence); the state kernels then run inside a slice on
+// one thread each. With fewer rows than threads there is one slice, and the kernels share the threads as before.
+//
+// The Python functions stay the reference: `tests/memory/test_native_scan.py` holds this loop to them in float64
+// (≤ 1e-12, values and gradients) and in float32 with the kernels. float32 products go through the kernels under
+// the same conditions as in Python (`state_ops.kernels_for`); anything else through the ATen products below.
+#include "state_ops.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
+
+#include <cmath>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace {
+
+using torch::Tensor;
+using State = std::vector<Tensor>;  // [W_1, S_1, W_2, S_2, …], each [BH, d_in, d_out]
+using Blocks = std::vector<std::vector<Tensor>>;  // decays of the full chunks (chunk dim 1), then of a ragged tail
+
+struct Config {
+  int64_t chunk_size;
+  bool gelu;  // σ: gelu, else silu
+  bool residual;
+  std::optional<double> max_grad_norm;
+  bool record;  // the backward pass follows: keep σ'(p_i) (fused.ScanConfig.record)
+};
+
+// fused.ChunkDecays of one chunk.
+struct Decays {
+  Tensor beta, c, D, E_last, e_last;
+};
+
+// --- the products: kernels where state_ops.kernels_for would take them, ATen otherwise ------------------------
+
+bool kernel_serves(const Tensor& W, int64_t rows) {
+  return W.scalar_type() == at::kFloat && W.size(2) % 16 == 0 && rows >= kMinRows;
+}
+
+Tensor inner_contiguous(const Tensor& t) { return t.stride(2) == 1 ? t : t.contiguous(); }
+
+// out (+)= x W
+Tensor prod_xw(const Tensor& x, const Tensor& W, Tensor out = Tensor(), bool accumulate = false) {
+  if (kernel_serves(W, x.size(1)) && (!out.defined() || out.is_contiguous())) {
+    if (!out.defined()) out = at::empty({x.size(0), x.size(1), W.size(2)}, x.options());
+    xw(x, W, out, accumulate);
+    return out;
+  }
+  if (accumulate) return out.baddbmm_(x, W);
+  return out.defined() ? at::bmm_out(out, x, W) : at::bmm(x, W);
+}
+
+// out (+)= g Wᵀ
+Tensor prod_xwt(const Tensor& g, const Tensor& W, Tensor out = Tensor(), bool accumulate = false) {
+  if (kernel_serves(W, g.size(1)) && (!out.defined() || out.is_contiguous())) {
+    if (!out.defined()) out = at::empty({g.size(0), g.size(1), W.size(1)}, g.options());
+    xwt(inner_contiguous(g), W, out, accumulate);
+    return out;
+  }
+  if (accumulate) return out.baddbmm_(g, W.transpose(1, 2));
+  return out.defined() ? at::bmm_out(out, g, W.transpose(1, 2)) : at::bmm(g, W.transpose(1, 2));
+}
+
+struct Reads {
+  Tensor dots, xW, xS, gWt, gPt;  // as state_ops.Reads; dots in the state's dtype
+};
+
+struct Combine {  // the optional arguments of state_ops.combine
+  c10::optional<Tensor> S, c, P, out2, e, x, Q;
+  c10::optional<RowBlocks> G2, gt;
+};
+
+Tensor cat_rows(const RowBlocks& blocks) { return blocks.size() == 1 ? blocks[0] : at::cat(blocks, 1); }
+
+// state_ops.combine: out = β W (+ c S) + α Aᵀ G and the products of the same reads.
+Reads combine_any(Tensor out, const Tensor& W, const Tensor& beta, const RowBlocks& A, const RowBlocks& G,
+                  double alpha, const Combine& o) {
+  int64_t rows = 0;
+  for (const auto& a : A) rows += a.size(1);
+  if (kernel_serves(W, rows)) {
+    RowBlocks G_, G2_, gt_;
+    for (const auto& g : G) G_.push_back(inner_contiguous(g));
+    if (o.G2)
+      for (const auto& g : *o.G2) G2_.push_back(inner_contiguous(g));
+    if (o.gt)
+      for (const auto& g : *o.gt) gt_.push_back(inner_contiguous(g));
+    auto r = combine(out, W, beta, o.S, o.c, A, G_, alpha, o.P, o.out2, o.e,
+                     o.G2 ? c10::optional<RowBlocks>(G2_) : c10::nullopt, o.x,
+                     o.gt ? c10::optional<RowBlocks>(gt_) : c10::nullopt, o.Q);
+    return {r[0].defined() ? r[0].to(W.scalar_type()) : r[0], r[1], r[2], r[3], r[4]};
+  }
+  // The ATen reference (state_ops.combine_reference): everything read before `out` is written.
+  Reads r;
+  if (o.P) {
+    auto flat_dot = [&](const Tensor& y) { return (*o.P * y).sum({1, 2}); };
+    r.dots = at::stack({flat_dot(W), o.S ? flat_dot(*o.S) : at::zeros({W.size(0)}, W.options())}, 1);
+  }
+  if (o.x) r.xW = at::bmm(*o.x, W), r.xS = at::bmm(*o.x, *o.S);
+  if (o.gt) {
+    const auto& gt = *o.gt;
+    r.gWt = at::bmm(gt[0], W.transpose(1, 2)).baddbmm_(gt[1], o.S->transpose(1, 2));
+    r.gPt = at::bmm(gt[2], o.P->transpose(1, 2)).baddbmm_(gt[3], o.Q->transpose(1, 2));
+  }
+  if (o.out2) combine_any(*o.out2, *o.S, *o.e, A, *o.G2, alpha, {});
+  at::mul_out(out, W, beta.reshape({-1, 1, 1}));
+  if (o.S) out.addcmul_(*o.S, o.c->reshape({-1, 1, 1}));
+  out.baddbmm_(cat_rows(A).transpose(1, 2), cat_rows(G), 1.0, alpha);
+  return r;
+}
+
+// --- the memory network's activation (mlp.ACTIVATIONS, mlp.ACTIVATION_VJPS) --------------------------------
+
+Tensor sigma(const Config& cfg, const Tensor& z) { return cfg.gelu ? at::gelu(z) : at::silu(z); }
+
+Tensor sigma_vjp(const Config& cfg, const Tensor& g, const Tensor& z) {
+  return cfg.gelu ? at::gelu_backward(g, z) : at::silu_backward(g, z);
+}
+
+Tensor sigma_grad2(const Config& cfg, const Tensor& z) {
+  if (cfg.gelu) return at::exp(-0.5 * z * z) * (1.0 / std::sqrt(2.0 * M_PI)) * (2.0 - z * z);
+  const auto s = at::sigmoid(z);
+  return s * (1.0 - s) * (2.0 + z * (1.0 - 2.0 * s));
+}
+
+// --- one chunk ------------------------------------------------------------------------------------------
+
+// fused.ChunkCache
+struct Cache {
+  std::vector<Tensor> a, p, m, delta, dsigma, h, hW, hS, r, h_a, C_h_a;
+  Tensor theta, scale, sq_norm, C;
+};
+
+// fused._chunk_forward: y_t into y_out and, unless new_state is null, the state after the chunk.
+Cache chunk_forward(const Config& cfg, const State& state, const Tensor& q, const Tensor& k, const Tensor& v,
+                    Tensor theta, const Decays& dec, Tensor y_out, const State* new_state) {
+  const size_t depth = state.size() / 2;
+  Cache cc;
+  cc.a.resize(depth), cc.p.resize(depth), cc.m.resize(depth), cc.delta.resize(depth), cc.dsigma.resize(depth);
+  // Keys at the chunk's starting weights: ℓ_t = ‖M(k_t) − v_t‖² (eq. 12) and its δ.
+  Tensor h = k;
+  for (size_t i = 0; i < depth; ++i) {
+    cc.a[i] = h;
+    cc.p[i] = prod_xw(h, state[2 * i]);
+    h = i + 1 < depth ? sigma(cfg, cc.p[i]) : cc.p[i];
+  }
+  cc.delta[depth - 1] = 2.0 * ((cfg.residual ? k + h : h) - v);
+  for (size_t i = depth - 1; i-- > 0;) {
+    cc.m[i] = prod_xwt(cc.delta[i + 1], state[2 * (i + 1)]);
+    if (cfg.record) {
+      cc.dsigma[i] = sigma_vjp(cfg, at::ones_like(cc.p[i]), cc.p[i]);
+      cc.delta[i] = cc.m[i] * cc.dsigma[i];
+    } else {
+      cc.delta[i] = sigma_vjp(cfg, cc.m[i], cc.p[i]);
+    }
+  }
+  if (cfg.max_grad_norm) {  // mlp.token_grad_sq_norm, mlp.grad_norm_scale
+    const double bound = *cfg.max_grad_norm;
+    cc.sq_norm = at::zeros_like(theta);
+    for (size_t i = 0; i < depth; ++i)
+      cc.sq_norm += (cc.a[i] * cc.a[i]).sum(-1) * (cc.delta[i] * cc.delta[i]).sum(-1);
+    cc.scale = bound * at::rsqrt(cc.sq_norm.clamp_min(bound * bound));
+    theta = theta * cc.scale;
+  }
+  cc.theta = theta;
+  cc.C = dec.D * theta.unsqueeze(-2);
+  const auto beta = dec.beta.unsqueeze(-1), c = dec.c.unsqueeze(-1);
+  const auto u_w = cc.C.select(1, -1).unsqueeze(-1), u_m = (theta * dec.E_last).unsqueeze(-1);
+  // Queries at W_t, layer by layer, and the state after the chunk (DESIGN.md §2 steps 3–4), one pass over W⁰, S⁰.
+  h = q;
+  for (size_t i = 0; i < depth; ++i) {
+    const auto &W = state[2 * i], &S = state[2 * i + 1];
+    cc.h.push_back(h);
+    if (new_state) {
+      Combine o;
+      o.S = S, o.c = dec.c.select(1, -1), o.out2 = (*new_state)[2 * i + 1], o.e = dec.e_last,
+      o.G2 = RowBlocks{u_m * cc.delta[i]}, o.x = h;
+      auto reads = combine_any((*new_state)[2 * i], W, dec.beta.select(1, -1), {cc.a[i]}, {u_w * cc.delta[i]}, -1.0, o);
+      cc.hW.push_back(reads.xW), cc.hS.push_back(reads.xS);
+    } else {
+      cc.hW.push_back(prod_xw(h, W)), cc.hS.push_back(prod_xw(h, S));
+    }
+    auto r = cc.hW[i] * beta;
+    r.addcmul_(cc.hS[i], c);
+    cc.h_a.push_back(at::bmm(h, cc.a[i].transpose(1, 2)));
+    cc.C_h_a.push_back(cc.C * cc.h_a[i]);
+    r.baddbmm_(cc.C_h_a[i], cc.delta[i], 1.0, -1.0);
+    cc.r.push_back(r);
+    h = i + 1 < depth ? sigma(cfg, r) : r;
+  }
+  if (cfg.residual)
+    at::add_out(y_out, q, h);
+  else
+    y_out.copy_(h);
+  return cc;
+}
+
+struct Grads {
+  Tensor q, k, v, theta;
+  Decays decays;  // gradients w.r.t. the Decays fields
+};
+
+// fused._chunk_backward (the derivation is there): writes ∂L/∂(W⁰, S⁰) into d_state given ∂L/∂(W, S after) d_new.
+Grads chunk_backward(const Config& cfg, const State& state, const Cache& cc, const Tensor& theta, const Decays& dec,
+                     const Tensor& dy, const State& d_new, const State& d_state) {
+  const size_t depth = state.size() / 2;
+  const auto &C = cc.C, &th = cc.theta;
+  const auto u_w = C.select(1, -1), u_m = th * dec.E_last;
+  auto d_u_w = at::zeros_like(u_w), d_u_m = at::zeros_like(u_m);
+  auto d_c_n = at::zeros_like(dec.e_last), d_e_n = at::zeros_like(dec.e_last);
+  auto d_beta = at::zeros_like(dec.beta), d_c = at::zeros_like(dec.c), d_C = at::zeros_like(C);
+  const auto beta = dec.beta.unsqueeze(-1), c = dec.c.unsqueeze(-1);
+  std::vector<Tensor> d_delta(depth), d_a(depth), d_p(depth);
+  std::vector<RowBlocks> w_left(depth), w_right(depth);
+  Tensor d_r = dy;
+  Tensor d_q = cfg.residual ? dy.clone() : at::zeros_like(cc.h[0]);
+  // 1–2. State update and queries, last layer first.
+  for (size_t i = depth; i-- > 0;) {
+    const auto &W = state[2 * i], &S = state[2 * i + 1];
+    const auto g_w = beta * d_r, g_s = c * d_r;
+    const auto g_u_w = u_w.unsqueeze(-1) * cc.delta[i], g_u_m = u_m.unsqueeze(-1) * cc.delta[i];
+    Combine o;
+    o.S = d_new[2 * i], o.c = dec.c.select(1, -1), o.P = S, o.x = cc.a[i], o.gt = RowBlocks{g_u_m, g_u_w, g_s, g_w},
+    o.Q = W;
+    auto reads = combine_any(d_state[2 * i + 1], d_new[2 * i + 1], dec.e_last, {cc.h[i]}, {g_s}, 1.0, o);
+    const auto &a_dS = reads.xW, &a_dW = reads.xS;
+    auto d_h = reads.gPt;
+    d_e_n += reads.dots.select(1, 0);
+    d_c_n += reads.dots.select(1, 1);
+    d_delta[i] = -(u_w.unsqueeze(-1) * a_dW + u_m.unsqueeze(-1) * a_dS);
+    d_u_w -= (a_dW * cc.delta[i]).sum(-1);
+    d_u_m -= (a_dS * cc.delta[i]).sum(-1);
+    d_a[i] = reads.gWt.neg_();
+    d_beta += (d_r * cc.hW[i]).sum(-1);
+    d_c += (d_r * cc.hS[i]).sum(-1);
+    w_left[i].push_back(cc.h[i]), w_right[i].push_back(g_w);
+    const auto r_d = at::bmm(d_r, cc.delta[i].transpose(1, 2));  // r −= (C ⊙ h aᵀ) δ
+    d_C -= r_d * cc.h_a[i];
+    const auto M = C * r_d;
+    d_h.baddbmm_(M, cc.a[i], 1.0, -1.0);
+    d_a[i].baddbmm_(M.transpose(1, 2), cc.h[i], 1.0, -1.0);
+    d_delta[i].baddbmm_(cc.C_h_a[i].transpose(1, 2), d_r, 1.0, -1.0);
+    if (i > 0)
+      d_r = sigma_vjp(cfg, d_h, cc.r[i - 1]);
+    else
+      d_q += d_h;
+  }
+  // 3. θ.
+  d_C.select(1, -1).add_(d_u_w);
+  const auto d_th = (d_C * dec.D).sum(-2) + d_u_m * dec.E_last;
+  const auto d_D = d_C * th.unsqueeze(-2);
+  const auto d_E_last = d_u_m * th;
+  auto d_theta = d_th;
+  if (cfg.max_grad_norm) {
+    const double bound = *cfg.max_grad_norm;
+    d_theta = d_th * cc.scale;
+    const auto above = cc.sq_norm > bound * bound;
+    const auto d_sq = at::where(above, -0.5 * d_th * theta * cc.scale / cc.sq_norm.clamp_min(1e-30), 0.0);
+    for (size_t i = 0; i < depth; ++i) {
+      const auto sa = (cc.a[i] * cc.a[i]).sum(-1), sd = (cc.delta[i] * cc.delta[i]).sum(-1);
+      d_a[i] += (2.0 * d_sq * sd).unsqueeze(-1) * cc.a[i];
+      d_delta[i] += (2.0 * d_sq * sa).unsqueeze(-1) * cc.delta[i];
+    }
+  }
+  // 4. δ recursion.
+  for (size_t i = 0; i + 1 < depth; ++i) {
+    const auto d_m = d_delta[i] * cc.dsigma[i];
+    d_p[i] = d_delta[i] * cc.m[i] * sigma_grad2(cfg, cc.p[i]);
+    w_left[i + 1].push_back(d_m), w_right[i + 1].push_back(cc.delta[i + 1]);
+    prod_xw(d_m, state[2 * (i + 1)], d_delta[i + 1], true);
+  }
+  const auto d_out = 2.0 * d_delta[depth - 1];
+  // 5. Keys.
+  Tensor d_k = cfg.residual ? d_out.clone() : at::zeros_like(cc.a[0]);
+  d_p[depth - 1] = d_out;
+  for (size_t i = depth; i-- > 0;) {
+    const auto& W = state[2 * i];
+    w_left[i].push_back(cc.a[i]), w_right[i].push_back(d_p[i]);
+    Combine o;
+    o.P = W;
+    auto reads = combine_any(d_state[2 * i], d_new[2 * i], dec.beta.select(1, -1), w_left[i], w_right[i], 1.0, o);
+    d_beta.select(1, -1).add_(reads.dots.select(1, 0));
+    prod_xwt(d_p[i], W, d_a[i], true);
+    if (i > 0)
+      d_p[i - 1].addcmul_(d_a[i], cc.dsigma[i - 1]);
+    else
+      d_k += d_a[0];
+  }
+  d_c.select(1, -1).add_(d_c_n);
+  return {d_q, d_k, -d_out, d_theta, {d_beta, d_c, d_D, d_E_last, d_e_n}};
+}
+
+// --- the loop over chunks, one slice of rows per thread ------------------------------------------------------
+
+std::pair<int64_t, int64_t> chunk_bounds(int64_t j, int64_t seq, int64_t chunk_size) {
+  return {j * chunk_size, std::min((j + 1) * chunk_size, seq)};
+}
+
+// Chunk j's decays (or their gradients) among the blocks of fused._block_decays, rows [b0, b1).
+Decays chunk_decays(const Blocks& blocks, int64_t j, int64_t b0, int64_t b1) {
+  const int64_t full = blocks[0][0].size(1);
+  const auto& block = j < full || blocks.size() == 1 ? blocks[0] : blocks[1];
+  const int64_t at = j < full ? j : j - full;
+  auto get = [&](int f) { return block[f].narrow(0, b0, b1 - b0).select(1, at); };
+  return {get(0), get(1), get(2), get(3), get(4)};
+}
+
+State rows_of(const State& s, int64_t b0, int64_t b1) {
+  State out;
+  for (const auto& t : s) out.push_back(t.narrow(0, b0, b1 - b0));
+  return out;
+}
+
+struct ChunkRecord {
+  State start;
+  Cache cache;
+};
+
+// What the backward pass needs of a run of chunks: per slice of rows, each chunk's starting state and cache.
+struct Record {
+  int64_t first_chunk = 0;
+  std::vector<int64_t> slice_starts;  // slice s holds rows [slice_starts[s], slice_starts[s + 1])
+  std::vector<std::vector<ChunkRecord>> slices;
+};
+
+// One slice per thread when every thread gets rows; else one slice, and the kernels share the threads.
+std::vector<int64_t> slice_starts(int64_t rows) {
+  const int64_t threads = at::get_num_threads();
+  const int64_t parts = threads > 1 && rows >= threads && !at::in_parallel_region() ? threads : 1;
+  std::vector<int64_t> starts;
+  for (int64_t s = 0; s <= parts; ++s) starts.push_back(rows * s / parts);
+  return starts;
+}
+
+// Runs body(slice, b0, b1) for every slice, on its own thread when there are several, with the caller's
+// thread-local state (grad mode, inference mode) on every thread.
+template <typename Body>
+void for_slices(const std::vector<int64_t>& starts, const Body& body) {
+  const int64_t count = static_cast<int64_t>(starts.size()) - 1;
+  if (count == 1) return body(0, starts[0], starts[1]);
+  const at::ThreadLocalState caller;
+  at::parallel_for(0, count, 1, [&](int64_t s0, int64_t s1) {
+    at::ThreadLocalStateGuard guard(caller);
+    for (int64_t s = s0; s < s1; ++s) body(s, starts[s], starts[s + 1]);
+  });
+}
+
+Config make_config(int64_t chunk_size, const std::string& activation, bool residual,
+                   c10::optional<double> max_grad_norm, bool record) {
+  TORCH_CHECK(activation == "gelu" || activation == "silu", "scan: unknown activation ", activation);
+  return {chunk_size, activation == "gelu", residual,
+          max_grad_norm ? std::optional<double>(*max_grad_norm) : std::nullopt, record};
+}
+
+// fused._run_chunks: chunks [j0, j1) from `start`; chunk idx ends in slots[idx % len(slots)], the last one in
+// `last` (empty: not computed). With `keep`, returns every chunk's starting state and cache.
+std::shared_ptr<Record> run_chunks(int64_t chunk_size, const std::string& activation, bool residual,
+                                   c10::optional<double> max_grad_norm, bool record, bool keep, const State& start,
+                                   int64_t j0, int64_t j1, const Tensor& q, const Tensor& k, const Tensor& v,
+                                   const Tensor& theta, const Blocks& blocks, const Tensor& y,
+                                   const std::vector<State>& slots, const State& last) {
+  const Config cfg = make_config(chunk_size, activation, residual, max_grad_norm, record);
+  auto rec = std::make_shared<Record>();
+  rec->first_chunk = j0;
+  rec->slice_starts = slice_starts(q.size(0));
+  rec->slices.resize(rec->slice_starts.size() - 1);
+  const int64_t seq = q.size(1);
+  for_slices(rec->slice_starts, [&](int64_t s, int64_t b0, int64_t b1) {
+    const int64_t n = b1 - b0;
+    const auto q_ = q.narrow(0, b0, n), k_ = k.narrow(0, b0, n), v_ = v.narrow(0, b0, n);
+    const auto theta_ = theta.narrow(0, b0, n), y_ = y.narrow(0, b0, n);
+    State cur = rows_of(start, b0, b1);
+    for (int64_t j = j0; j < j1; ++j) {
+      const auto [t0, t1] = chunk_bounds(j, seq, chunk_size);
+      const int64_t idx = j - j0;
+      State nxt;
+      if (j + 1 < j1)
+        nxt = rows_of(slots[idx % slots.size()], b0, b1);
+      else if (!last.empty())
+        nxt = rows_of(last, b0, b1);
+      auto cache = chunk_forward(cfg, cur, q_.slice(1, t0, t1), k_.slice(1, t0, t1), v_.slice(1, t0, t1),
+                                 theta_.slice(1, t0, t1), chunk_decays(blocks, j, b0, b1), y_.slice(1, t0, t1),
+                                 nxt.empty() ? nullptr : &nxt);
+      if (keep) rec->slices[s].push_back({cur, std::move(cache)});
+      cur = std::move(nxt);
+    }
+  });
+  return rec;
+}
+
+// fused._backward_chunks: the recorded chunks in reverse; chunk number i from the end writes the gradient of its
+// starting state into targets[i], given that of its end state (d_end, then the previous target). Writes the
+// chunks' rows of d_q, d_k, d_v, d_theta and their decays' gradients into d_blocks.
+void backward_chunks(int64_t chunk_size, const std::string& activation, bool residual,
+                     c10::optional<double> max_grad_norm, const Record& rec, const Tensor& theta,
+                     const Blocks& blocks, const Blocks& d_blocks, const Tensor& dy, const State& d_end,
+                     const std::vector<State>& targets, const Tensor& d_q, const Tensor& d_k, const Tensor& d_v,
+                     const Tensor& d_theta) {
+  const Config cfg = make_config(chunk_size, activation, residual, max_grad_norm, true);
+  const int64_t count = rec.slices.empty() ? 0 : static_cast<int64_t>(rec.slices[0].size());
+  TORCH_CHECK(static_cast<int64_t>(targets.size()) == count, "scan: one target state per recorded chunk");
+  const int64_t seq = dy.size(1);
+  for_slices(rec.slice_starts, [&](int64_t s, int64_t b0, int64_t b1) {
+    const int64_t n = b1 - b0;
+    const auto& chunks = rec.slices[s];
+    State d_cur = rows_of(d_end, b0, b1);
+    for (int64_t idx = count - 1; idx >= 0; --idx) {
+      const int64_t j = rec.first_chunk + idx;
+      const auto [t0, t1] = chunk_bounds(j, seq, chunk_size);
+      State d_prev = rows_of(targets[count - 1 - idx], b0, b1);
+      auto rows = [&](const Tensor& t) { return t.narrow(0, b0, n).slice(1, t0, t1); };
+      const auto g = chunk_backward(cfg, chunks[idx].start, chunks[idx].cache, rows(theta),
+                                    chunk_decays(blocks, j, b0, b1), rows(dy), d_cur, d_prev);
+      rows(d_q).copy_(g.q), rows(d_k).copy_(g.k), rows(d_v).copy_(g.v), rows(d_theta).copy_(g.theta);
+      const auto d = chunk_decays(d_blocks, j, b0, b1);
+      d.beta.copy_(g.decays.beta), d.c.copy_(g.decays.c), d.D.copy_(g.decays.D), d.E_last.copy_(g.decays.E_last);
+      d.e_last.copy_(g.decays.e_last);
+      d_cur = std::move(d_prev);
+    }
+  });
+}
+
+}  // namespace
+
+void register_scan(pybind11::module_& m) {
+  using release = pybind11::call_guard<pybind11::gil_scoped_release>;
+  pybind11::class_<Record, std::shared_ptr<Record>>(m, "ScanRecord",
+                                                    "Starting states and caches of a run of chunks, per slice of rows");
+  m.def("run_chunks", &run_chunks, "fused._run_chunks in C++", release());
+  m.def("backward_chunks", &backward_chunks, "fused._backward_chunks in C++", release());
+  m.attr("MIN_ROWS") = kMinRows;
+}
