@@ -1,9 +1,11 @@
 """`titans bench memory` end to end at toy sizes: every point runs in its own subprocess and reports numbers."""
 
 import json
+import os
 
 from typer.testing import CliRunner
 
+from titans.bench import describe_machine
 from titans.bench.memory import BenchPoint, best_of, format_table
 from titans.cli import app
 
@@ -48,3 +50,19 @@ def test_best_of_takes_the_fastest_runs_and_the_highest_peak():
     assert (best.status, best.fwd_tok_s, best.fwd_bwd_tok_s, best.peak_mib) == ("ok", 10.0, 4.0, 750.0)
     failed = [BenchPoint("reference", 4096, 4, status="out of memory")] * 2
     assert best_of(failed).status == "out of memory"
+
+
+def test_machine_description_names_the_cpu(tmp_path):
+    """Tables say which machine made them: model, family, AVX-512, CPU count; without /proc what platform knows."""
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 26\nmodel\t\t: 2\n"
+                       "model name\t: AMD EPYC\nflags\t\t: fpu avx2 avx512f avx512bw\n\n"
+                       "processor\t: 1\nmodel name\t: something else\n")
+    assert describe_machine(cpuinfo) == f"AMD EPYC (cpu family 26, model 2, AVX-512), {os.cpu_count()} CPUs"
+    cpuinfo.write_text("processor\t: 0\nmodel name\t: Some CPU\nflags\t\t: fpu avx2\n")
+    assert describe_machine(cpuinfo) == f"Some CPU, {os.cpu_count()} CPUs"
+    assert describe_machine(tmp_path / "missing").endswith(f", {os.cpu_count()} CPUs")
+    result = CliRunner().invoke(app, ["bench", "memory", "--lengths", "16", "--dim", "8", "--expansion", "2",
+                                      "--chunk-size", "4", "--batch", "2", "--warmup", "0", "--repeats", "1",
+                                      "--no-reference"])
+    assert result.exit_code == 0 and f"machine: {describe_machine()}" in result.output

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import platform
 from pathlib import Path
 from typing import Optional
 
@@ -14,6 +16,28 @@ bench_app = typer.Typer(help="Throughput and memory benchmarks.", no_args_is_hel
 @bench_app.callback()
 def _group() -> None:
     """Throughput and memory benchmarks (commands, not tests)."""
+
+
+def describe_machine(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """The CPU the numbers were measured on, e.g. "AMD EPYC (cpu family 26, model 2, AVX-512), 2 CPUs".
+
+    The same code runs at half the speed on another VM of the same size (DESIGN.md §2, seventh stop), so every
+    table says which machine made it."""
+    fields: dict[str, str] = {}
+    try:
+        for line in cpuinfo.read_text().splitlines():
+            if not line.strip():
+                break  # the first processor's block: they are all alike
+            key, _, value = line.partition(":")
+            fields[key.strip()] = value.strip()
+    except OSError:  # no /proc (macOS, Windows): what platform knows
+        pass
+    name = fields.get("model name") or platform.processor() or platform.machine() or "unknown CPU"
+    details = [f"{key} {fields[key]}" for key in ("cpu family", "model") if key in fields]
+    if "avx512f" in fields.get("flags", "").split():
+        details.append("AVX-512")
+    described = f"{name} ({', '.join(details)})" if details else name
+    return f"{described}, {os.cpu_count()} CPUs"
 
 
 def _int_list(text: str, name: str) -> list[int]:
@@ -76,6 +100,7 @@ def memory(
                f"batch {batch}; best of {rounds} round(s) × {repeats} iteration(s); "
                f"{__import__('torch').get_num_threads()} threads; allocator: "
                + ("MALLOC_MMAP_THRESHOLD_=131072" if release_memory else "glibc default"))
+    typer.echo(f"machine: {describe_machine()}")
     typer.echo(format_table(points))
     if out is not None:
         out.write_text(json.dumps([p.__dict__ for p in points], indent=2))
@@ -97,4 +122,4 @@ def matmul(
 
     typer.echo(format_table(measure(rows, d_in, d_out, batch, dram_mib, repeats)))
     typer.echo(f"streaming read (sum over {dram_mib} MiB): {stream_gib_s(dram_mib, repeats):.1f} GiB/s; "
-               f"{__import__('torch').get_num_threads()} threads")
+               f"{__import__('torch').get_num_threads()} threads; machine: {describe_machine()}")
