@@ -23,15 +23,9 @@ def describe_machine(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
 
     The same code runs at half the speed on another VM of the same size (DESIGN.md §2, seventh stop), so every
     table says which machine made it."""
-    fields: dict[str, str] = {}
-    try:
-        for line in cpuinfo.read_text().splitlines():
-            if not line.strip():
-                break  # the first processor's block: they are all alike
-            key, _, value = line.partition(":")
-            fields[key.strip()] = value.strip()
-    except OSError:  # no /proc (macOS, Windows): what platform knows
-        pass
+    from ..memory.state_ops import cpu_info
+
+    fields = cpu_info(cpuinfo)
     name = fields.get("model name") or platform.processor() or platform.machine() or "unknown CPU"
     details = [f"{key} {fields[key]}" for key in ("cpu family", "model") if key in fields]
     if "avx512f" in fields.get("flags", "").split():

@@ -22,8 +22,9 @@ state used four times are summed in four fresh tensors, slicing a stacked state 
   small operations between its state kernels, which in Python ran on one core at a time.
 
 Exactness is tested against `parallel.py`'s autograd path and the token-by-token reference in float64
-(values and gradients, ≤ 1e-10) and by `gradcheck`, and the C++ loop against the Python one (≤ 1e-12). The backward is not itself differentiable
-(no double backward); the autograd path is, and `parallel_memory(..., implementation="autograd")` selects it.
+(values and gradients, ≤ 1e-10) and by `gradcheck`, and the C++ loop against the Python one (≤ 1e-12). The
+backward is not itself differentiable (no double backward); the autograd path is, and
+`parallel_memory(..., implementation="autograd")` selects it.
 """
 
 from __future__ import annotations

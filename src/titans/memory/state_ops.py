@@ -119,14 +119,23 @@ def _why_not_buildable(flags: set[str]) -> Optional[str]:
     return None
 
 
-def _cpu_flags() -> set[str]:
+def cpu_info(path: Path = Path("/proc/cpuinfo")) -> dict[str, str]:
+    """The first processor's fields in /proc/cpuinfo (they are all alike), {} where there is none (macOS, Windows).
+    The kernels' build reads its flags; `titans bench` names the machine from it."""
+    fields: dict[str, str] = {}
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
+        for line in path.read_text().splitlines():
+            if not line.strip():
+                break
+            key, _, value = line.partition(":")
+            fields[key.strip()] = value.strip()
     except OSError:
         pass
-    return set()
+    return fields
+
+
+def _cpu_flags() -> set[str]:
+    return set(cpu_info().get("flags", "").split())
 
 
 def kernels():
