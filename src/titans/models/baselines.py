@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+import torch
 from torch import Tensor, nn
 
 from ..layers import Attention, check_state_shapes, check_state_type
@@ -55,7 +56,14 @@ class LSTMMixer(nn.Module):
                 zeros = x.new_zeros(self.lstm.num_layers, x.shape[0], self.lstm.hidden_size)
                 state = LSTMState(zeros, zeros.clone())
             return x.new_zeros(x.shape[0], 0, self.lstm.hidden_size), state
-        y, (h, c) = self.lstm(x, (state.h, state.c) if state is not None else None)
+        hc = (state.h, state.c) if state is not None else None
+        if x.is_cpu and torch.is_autocast_enabled("cpu"):
+            # oneDNN has no bf16 LSTM on CPUs without AVX-512 BF16 (it raises "could not create a primitive
+            # descriptor"); on the CPU the recurrence runs in float32 under autocast, as cuDNN's would in its own dtype.
+            with torch.autocast("cpu", enabled=False):
+                y, (h, c) = self.lstm(x.float(), hc)
+        else:
+            y, (h, c) = self.lstm(x, hc)
         return y, LSTMState(h, c)
 
 
