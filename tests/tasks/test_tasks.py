@@ -25,6 +25,7 @@ TOKEN_TASKS = {
     "copy": ({}, 40),
     "selective_copy": ({}, 40),
     "capacity": ({"num_pairs": 8}, 64),
+    "kv_recall": ({}, 64),
     "lm_bytes": ({}, 128),
 }
 
@@ -249,6 +250,21 @@ def test_capacity_layout():
         assert [pairs[k] for k in row[positions].tolist()] == answers.tolist()
 
 
+def test_kv_recall_layout():
+    task = get_task("kv_recall", num_pairs=5, num_keys=8, num_values=10, vocab=30)
+    batch = task.sample(200, 40, gen())
+    for row, target in zip(batch.inputs, batch.targets):
+        keys, values = row[0:10:2], row[1:10:2]
+        assert len(set(keys.tolist())) == 5 and ((keys >= 0) & (keys < 8)).all()
+        assert ((values >= 8) & (values < 18)).all()
+        assert ((row[10:38] >= 18) & (row[10:38] < 30)).all()  # noise only between the pairs and the query
+        positions, answers = scored(target)
+        assert positions == [38] and row[38] in keys and answers.tolist() == [row[39].item()]
+        assert dict(zip(keys.tolist(), values.tolist()))[row[38].item()] == row[39]
+    asked = [row[0:10:2].tolist().index(row[38].item()) for row in batch.inputs]
+    assert len(set(asked)) == 5  # any pair may be asked
+
+
 def test_measure_capacity_finds_the_largest_recalled_count():
     def recall_up_to(limit):
         def predict(inputs):  # an oracle that remembers the first `limit` pairs and guesses 0 for others
@@ -435,6 +451,10 @@ def test_lm_bytes_default_corpus_is_the_stdlib():
         ("mqar", {"vocab": 16, "num_pairs": 8}, "vocab"),
         ("mqar", {"power_a": 0.0}, "power_a"),
         ("capacity", {"vocab": 20, "num_pairs": 10}, "vocab"),
+        ("kv_recall", {"num_pairs": 0}, "num_pairs"),
+        ("kv_recall", {"num_pairs": 9, "num_keys": 8}, "num_keys"),
+        ("kv_recall", {"num_values": 1}, "num_values"),
+        ("kv_recall", {"vocab": 32}, "vocab"),
         ("babilong", {"qa": 3}, "qa"),
         ("babilong", {"num_facts": 0}, "num_facts"),
         ("copy", {"vocab": "big"}, "vocab"),

@@ -1,4 +1,5 @@
-"""Associative recall: multi-query associative recall (MQAR, Arora et al. 2023, "Zoology") and capacity."""
+"""Associative recall: multi-query associative recall (MQAR, Arora et al. 2023, "Zoology"), key-value recall across
+noise, and capacity."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from .base import IGNORE_INDEX, Task, TaskOptions, TokenBatch, distinct_tokens, register, token_accuracy
+from .base import (IGNORE_INDEX, Task, TaskOptions, TokenBatch, answer_targets, distinct_tokens, register,
+                   token_accuracy)
 
 
 def check_pairs(num_pairs: int, vocab: int, specials: int) -> None:
@@ -78,6 +80,60 @@ class Mqar(Task):
         inputs.scatter_(1, query_at + 1, values)
         targets = torch.full_like(inputs, IGNORE_INDEX).scatter_(1, query_at, values)
         return TokenBatch(inputs, targets)
+
+
+@dataclasses.dataclass
+class KvRecallOptions(TaskOptions):
+    vocab: int = 64  # keys, then values, then noise tokens (at least one)
+    num_pairs: int = 4  # pairs shown before the noise
+    num_keys: int = 16  # key tokens (each row's keys are distinct)
+    num_values: int = 16  # value tokens (chance accuracy 1 / num_values)
+
+    def validate(self) -> None:
+        if self.num_pairs < 1:
+            raise ValueError(f"num_pairs must be >= 1, got {self.num_pairs}")
+        if self.num_keys < self.num_pairs:
+            raise ValueError(f"num_keys ({self.num_keys}) must be >= num_pairs ({self.num_pairs}): a row's keys "
+                             "are distinct")
+        if self.num_values < 2:
+            raise ValueError(f"num_values must be >= 2, got {self.num_values}")
+        if self.vocab <= self.num_keys + self.num_values:
+            raise ValueError(f"vocab ({self.vocab}) must exceed num_keys + num_values ({self.num_keys + self.num_values}) "
+                             "to leave at least one noise token")
+
+
+@register
+class KvRecall(Task):
+    """k_1 v_1 … k_N v_N, random noise tokens, then one of the keys again: the model must output its value.
+
+    Tokens: keys 0 .. num_keys − 1, values the next num_values, noise the rest. Only the answer is scored, so
+    accuracy is the fraction of rows recalled (chance 1 / num_values); the pairs sit at the start, so the
+    distance from a pair to its query grows with the length, and with noise in between (not a filler token)
+    the model must hold the pairs while reading tokens it cannot ignore by identity alone.
+    """
+
+    name = "kv_recall"
+    Options = KvRecallOptions
+
+    def __init__(self, options: KvRecallOptions):
+        super().__init__(options)
+        self.vocab_size = options.vocab
+        self.key_range = (0, options.num_keys)
+        self.value_range = (options.num_keys, options.num_keys + options.num_values)
+        self.noise_range = (options.num_keys + options.num_values, options.vocab)
+
+    def min_length(self) -> int:
+        return 2 * self.options.num_pairs + 2  # the pairs, the query key and its value
+
+    def _generate(self, batch_size: int, length: int, generator: torch.Generator) -> TokenBatch:
+        n = self.options.num_pairs
+        keys = distinct_tokens(*self.key_range, batch_size, n, generator)
+        values = torch.randint(*self.value_range, (batch_size, n), generator=generator)
+        inputs = torch.randint(*self.noise_range, (batch_size, length), generator=generator)
+        inputs[:, 0 : 2 * n : 2], inputs[:, 1 : 2 * n : 2] = keys, values
+        asked = torch.randint(0, n, (batch_size, 1), generator=generator)
+        inputs[:, -2:-1], inputs[:, -1:] = keys.gather(1, asked), values.gather(1, asked)
+        return TokenBatch(inputs, answer_targets(inputs, 1))
 
 
 @dataclasses.dataclass
