@@ -72,6 +72,7 @@ def test_train_eval_generate_and_never_overwrite(tmp_path):
     result = runner.invoke(app, ["train", str(TINY), "--out", str(out), "--quiet", "train.steps=4"])
     assert result.exit_code == 0, result.output
     assert result.stdout.splitlines()[-1] == str(out / "eval.json")
+    assert "skipped steps (non-finite loss or gradient): 0 of 4" in result.stdout
     assert yaml.safe_load((out / "config.yaml").read_text())["steps"] == 4
 
     before = (out / "metrics.jsonl").read_text()
@@ -87,7 +88,8 @@ def test_train_eval_generate_and_never_overwrite(tmp_path):
     saved = json.loads(Path(lines[-1]).read_text())
     assert saved["task"] == "passkey" and set(saved["results"]) == {"24", "40"}
     assert float(lines[1].split()[2]) == pytest.approx(saved["results"]["24"]["accuracy"], abs=1e-4)
-    assert saved["split"] is None
+    assert saved["split"] is None and saved["skipped_steps"] == 0
+    assert lines[-2] == "skipped steps in training (non-finite loss or gradient): 0"
     assert "has no splits" in one_line_error(runner.invoke(app, ["eval", str(out), "--split", "test"]))
 
     result = runner.invoke(app, ["generate", str(out), "--prompt", "3 4 5", "--max-new-tokens", "5",

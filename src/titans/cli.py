@@ -79,6 +79,7 @@ def train(
         if distributed:
             dist.destroy_process_group()
     if lead:
+        typer.echo(f"skipped steps (non-finite loss or gradient): {result.skipped_steps} of {result.step}")
         for length, metrics in result.evaluation.items():
             typer.echo(f"length {length}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
         typer.echo(str(run_dir / "eval.json"))
@@ -130,6 +131,7 @@ def eval_command(
     """Evaluate a checkpoint at several lengths: prints a table, writes a JSON (its path is the last line)."""
     from .tasks import get_task
     from .train import evaluate
+    from .train.checkpoint import load_trainer_state
     from .train.config import check_model_fits_task
 
     if out is not None and out.exists() and not force:
@@ -147,14 +149,17 @@ def eval_command(
     batches, batch_size = batches or cfg.eval_batches, batch_size or cfg.eval_batch_size
     results = evaluate(model, eval_task, parse_lengths(lengths) if lengths else cfg.task.eval_lengths,
                        batches, batch_size, seed, device=model_device(model))
+    skipped = load_trainer_state(path)["skipped_steps"]
     names = list(next(iter(results.values())))
     typer.echo(f"{'length':>8} " + " ".join(f"{name:>14}" for name in names))
     for length, metrics in results.items():
         typer.echo(f"{length:>8} " + " ".join(f"{metrics[name]:>14.4f}" for name in names))
+    typer.echo(f"skipped steps in training (non-finite loss or gradient): {skipped}")
     split_name = getattr(eval_task.options, "split", None)
     out = out or default_eval_path(path, eval_task.name, split if split else None, seed)
     out.write_text(json.dumps({"task": eval_task.name, "split": split_name,
-                               "checkpoint": str(path), "seed": seed, "batches": batches, "batch_size": batch_size,
+                               "checkpoint": str(path), "skipped_steps": skipped, "seed": seed, "batches": batches,
+                               "batch_size": batch_size,
                                "results": {str(k): v for k, v in results.items()}}, indent=2))
     typer.echo(str(out))
 

@@ -183,3 +183,45 @@ def test_tensorboard_gets_every_number(tiny_config, tmp_path, monkeypatch):
     train(load_train_config(tiny_config, ["tensorboard=true", "steps=2"]), tmp_path / "run", quiet=True)
     assert ("loss", 1) in scalars and ("lr", 2) in scalars and ("eval/48/accuracy", 2) in scalars
     assert scalars[-1] == ("closed", -1)
+
+
+def poison_steps(monkeypatch, steps):
+    """Make the training loss NaN at the given (1-based) steps, as an overflow in the backward pass would."""
+    calls = {"n": 0}
+    real = loop.loss_terms
+
+    def loss_terms(model, batch, device):
+        total, outputs = real(model, batch, device)
+        if torch.is_grad_enabled():  # training, not evaluation
+            calls["n"] += 1
+            if calls["n"] in steps:
+                total = total * math.nan
+        return total, outputs
+
+    monkeypatch.setattr(loop, "loss_terms", loss_terms)
+
+
+def test_non_finite_steps_are_skipped_counted_and_logged(tiny_config, tmp_path, monkeypatch, capsys):
+    cfg = load_train_config(tiny_config, ["checkpoint_every=0"])
+    clean = train(cfg, tmp_path / "clean", quiet=True)
+    poison_steps(monkeypatch, {2, 3, 5})
+    result = train(cfg, tmp_path / "run", quiet=True)
+    assert result.skipped_steps == 3 and result.step == 6
+    weights = final_weights(tmp_path / "run")
+    assert all(torch.isfinite(w).all() for w in weights.values())
+    assert max_difference(weights, final_weights(tmp_path / "clean")) > 0  # three updates fewer
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    skips = [r for r in records if r.get("skipped")]
+    assert [(r["step"], r["skips_in_row"], r["skipped_steps"]) for r in skips] == [(2, 1, 1), (3, 2, 2), (5, 1, 3)]
+    assert all(math.isnan(r["loss"]) for r in skips)
+    assert [r["skipped_steps"] for r in records if "lr" in r] == [0, 1, 2, 2, 3, 3]
+    assert json.loads((tmp_path / "run" / "eval.json").read_text())["skipped_steps"] == 3
+    assert clean.skipped_steps == 0
+    assert "step 5 skipped" in capsys.readouterr().err
+
+
+def test_too_many_skips_in_a_row_stop_with_an_error(tiny_config, tmp_path, monkeypatch):
+    cfg = load_train_config(tiny_config, ["checkpoint_every=0", "max_skips_in_row=3", "steps=10"])
+    poison_steps(monkeypatch, {2, 3, 5, 6, 7, 8})
+    with pytest.raises(ValueError, match=r"training diverged: 3 steps in a row \(up to step 7\).*max_skips_in_row=3"):
+        train(cfg, tmp_path / "run", quiet=True)

@@ -22,8 +22,8 @@ from ..tasks import Task, get_task
 # A new `steps` stretches the cosine schedule to the new end from the resumed step on: the learning rate
 # continues from where the new schedule stands, not from where the old one was.
 RESUMABLE_CHANGES = frozenset({"name", "steps", "time_budget_s", "eval_every", "eval_batches", "eval_batch_size",
-                               "checkpoint_every", "keep_checkpoints", "log_every", "device", "threads",
-                               "tensorboard", "task.eval_lengths"})
+                               "checkpoint_every", "keep_checkpoints", "log_every", "max_skips_in_row", "device",
+                               "threads", "tensorboard", "task.eval_lengths"})
 
 # A run's name is the name of its directory (runs/<name>, demo/<name>): one path component that cannot climb out
 # of its parent (no separator, no leading dot so neither `.` nor `..`), in characters every filesystem takes.
@@ -98,6 +98,7 @@ class TrainConfig(Config):
     checkpoint_every: int = 100  # 0: only at the end (or when time_budget_s runs out)
     keep_checkpoints: int = 2  # newest checkpoints kept in run_dir/checkpoints
     log_every: int = 10
+    max_skips_in_row: int = 20  # stop with an error after this many steps in a row skipped for a non-finite loss/gradient
     time_budget_s: float | None = None  # stop (and checkpoint) once training took this long; None: no limit
     device: Literal["cpu", "cuda", "auto"] = "cpu"
     dtype: Literal["float32", "float64"] = "float32"  # parameter and activation dtype
@@ -107,7 +108,8 @@ class TrainConfig(Config):
     def validate(self) -> None:
         if not 0 <= self.seed <= MAX_SEED:
             raise ValueError(f"seed must be in [0, 2**63 - 1], got {self.seed}")
-        for name in ("steps", "batch_size", "eval_batches", "eval_batch_size", "keep_checkpoints", "log_every"):
+        for name in ("steps", "batch_size", "eval_batches", "eval_batch_size", "keep_checkpoints", "log_every",
+                     "max_skips_in_row"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("eval_every", "checkpoint_every"):

@@ -16,6 +16,7 @@ import contextlib
 import json
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -241,6 +242,7 @@ class TrainResult:
     evaluation: dict[int, dict[str, float]] = field(default_factory=dict)  # empty on ranks other than 0
     seconds: float = 0.0  # training time, evaluation excluded
     num_parameters: int = 0
+    skipped_steps: int = 0  # updates skipped for a non-finite loss or gradient
 
 
 class Trainer:
@@ -271,7 +273,8 @@ class Trainer:
         self.optimizer = make_optimizer(self.model, cfg.optim)
         self.step = 0
         self.train_seconds = 0.0
-        self.skipped_steps = 0
+        self.skipped_steps = 0  # optimiser steps skipped for a non-finite loss or gradient, in all
+        self.skips_in_row = 0  # ... and since the last step taken
         self.saved_step: int | None = None
         self.metrics = MetricsLog(self.run_dir, cfg.tensorboard) if self.rank == 0 else None
 
@@ -280,7 +283,8 @@ class Trainer:
         cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
         return {"step": self.step, "optimizer": self.optimizer.state_dict(),
                 "rng": {"cpu": torch.get_rng_state(), "cuda": cuda_rng},
-                "train_seconds": self.train_seconds, "skipped_steps": self.skipped_steps}
+                "train_seconds": self.train_seconds, "skipped_steps": self.skipped_steps,
+                "skips_in_row": self.skips_in_row}
 
     def save(self) -> None:
         """Checkpoint the current step (rank 0; once per step)."""
@@ -317,6 +321,7 @@ class Trainer:
         if state["rng"]["cuda"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["rng"]["cuda"])
         self.step, self.train_seconds, self.skipped_steps = state["step"], state["train_seconds"], state["skipped_steps"]
+        self.skips_in_row = state.get("skips_in_row", 0)  # absent from checkpoints written before it was kept
         self.saved_step = self.step
         if self.metrics is not None:
             self.metrics.truncate(self.step)
@@ -356,13 +361,29 @@ class Trainer:
         if self.distributed:
             dist.all_reduce(loss_sum)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.optim.grad_clip or math.inf)
-        if torch.isfinite(grad_norm):
+        loss = (loss_sum / global_count.clamp_min(1)).item()
+        if math.isfinite(loss) and torch.isfinite(grad_norm):
             self.optimizer.step()
+            self.skips_in_row = 0
         else:
-            # A rare overflow in the backward pass through the inner recurrence: skip this update (as
-            # mixed-precision training does) instead of writing NaN into the weights; it is logged.
-            self.skipped_steps += 1
-        return (loss_sum / global_count.clamp_min(1)).item(), lr, grad_norm.item()
+            self._skip(loss, grad_norm.item())
+        return loss, lr, grad_norm.item()
+
+    def _skip(self, loss: float, grad_norm: float) -> None:
+        """Skip the update of a step whose loss or gradient is not finite (as mixed-precision training does with an
+        overflow) instead of writing NaN into the weights: counted, logged, and fatal after
+        `max_skips_in_row` in a row, when the weights themselves must have gone bad."""
+        self.skipped_steps += 1
+        self.skips_in_row += 1
+        self._log({"step": self.step + 1, "skipped": True, "loss": loss, "grad_norm": grad_norm,
+                   "skipped_steps": self.skipped_steps, "skips_in_row": self.skips_in_row})
+        if self.rank == 0:
+            tqdm.write(f"{self.cfg.run_name}: step {self.step + 1} skipped (loss {loss}, gradient norm {grad_norm}); "
+                       f"{self.skips_in_row} in a row, {self.skipped_steps} in all", file=sys.stderr)
+        if self.skips_in_row >= self.cfg.max_skips_in_row:
+            raise ValueError(f"{self.cfg.run_name}: training diverged: {self.skips_in_row} steps in a row (up to step "
+                             f"{self.step + 1}) had a non-finite loss or gradient (max_skips_in_row="
+                             f"{self.cfg.max_skips_in_row}); lower optim.lr, or check the data")
 
     def run(self) -> TrainResult:
         cfg = self.cfg
@@ -377,9 +398,6 @@ class Trainer:
         while self.step < cfg.steps:
             start = time.perf_counter()
             loss, lr, grad_norm = self.train_step()
-            if not math.isfinite(loss):
-                raise ValueError(f"{cfg.run_name}: training diverged at step {self.step} (loss {loss}); "
-                                 "lower optim.lr or model.max_lr")
             self.train_seconds += time.perf_counter() - start
             self.step += 1
             window_steps += 1
@@ -408,9 +426,10 @@ class Trainer:
             (self.run_dir / "eval.json").write_text(json.dumps(
                 {"name": cfg.run_name, "task": cfg.task.name, "train_length": cfg.task.train_length,
                  "step": self.step, "train_seconds": self.train_seconds, "num_parameters": num_parameters,
+                 "skipped_steps": self.skipped_steps,
                  "results": {str(k): v for k, v in evaluation.items()}}, indent=2))
             self.metrics.close()
-        return TrainResult(self.step, loss, evaluation, self.train_seconds, num_parameters)
+        return TrainResult(self.step, loss, evaluation, self.train_seconds, num_parameters, self.skipped_steps)
 
     def _out_of_time(self) -> bool:
         """Whether training has used up cfg.time_budget_s; under DDP as soon as any rank has (all stop together)."""
