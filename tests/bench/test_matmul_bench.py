@@ -21,7 +21,7 @@ def test_measure_covers_both_orientations_and_sources():
 
 def test_measure_puts_the_kernel_beside_aten_where_it_serves_the_shape():
     points = measure(rows=16, d_in=16, d_out=32, batch=2, dram_mib=1, repeats=1)
-    implementations = ["ATen bmm"] + (["titans kernel"] if state_ops.kernels() is not None else [])
+    implementations = ["ATen bmm"] + (["titans kernel"] if state_ops.state_kernels() is not None else [])
     assert sorted({p.implementation for p in points}) == implementations
     assert len(points) == 4 * len(implementations) and all(p.gflops > 0 for p in points)
 

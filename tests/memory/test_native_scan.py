@@ -18,7 +18,7 @@ from .test_fused import outputs_and_grads
 from .test_functional import flat, make_inputs
 
 pytestmark = pytest.mark.skipif(state_ops.kernels() is None,
-                                reason="the compiled module is unavailable here (no AVX-512 or no C++ compiler)")
+                                reason="the compiled module is unavailable here (no C++ compiler, or not x86-64 Linux)")
 
 
 @pytest.fixture

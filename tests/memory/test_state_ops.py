@@ -6,7 +6,7 @@ import torch
 
 from titans.memory import parallel_memory, state_ops
 
-needs_kernels = pytest.mark.skipif(state_ops.kernels() is None,
+needs_kernels = pytest.mark.skipif(state_ops.state_kernels() is None,
                                    reason="state kernels unavailable here (no AVX-512 or no C++ compiler)")
 
 # (batch, rows n, K, N): 16-row blocks, padded row counts (17, 40), several row blocks (48), every column-block

@@ -17,8 +17,10 @@ a ∂S', ∂a and ∂h in the backward), so each of them costs no further read o
 
 The kernels serve float32 CPU tensors whose W is contiguous with N a multiple of 16 and at least 8 rows in x,
 on x86-64 CPUs with AVX-512; they are compiled on first use (`torch.utils.cpp_extension`, about a minute,
-cached). Anything else, a machine without a compiler, or `TITANS_KERNELS=0` takes the ATen reference, which
-is also what float64 (every exactness test) runs. `tests/memory/test_state_ops.py` holds each kernel to its
+cached), into one module with the fused scan's chunk loop (`kernels/scan.cpp`), which is built on every x86-64
+Linux machine with a compiler and takes the ATen products where the state kernels are absent. Anything else, a
+machine without a compiler, or `TITANS_KERNELS=0` takes the ATen reference, which is also what float64 (every
+exactness test) runs. `tests/memory/test_state_ops.py` holds each kernel to its
 reference, and the fused scan with kernels to the scan without.
 """
 
@@ -108,8 +110,6 @@ def _why_not_buildable(flags: set[str]) -> Optional[str]:
         return "TITANS_KERNELS=0"
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
         return f"no kernels for {platform.system()} {platform.machine()}"
-    if "avx512f" not in flags:
-        return "the CPU lacks AVX-512"
     if not shutil.which(os.environ.get("CXX", "c++")):
         return "no C++ compiler (c++ or $CXX) on PATH"
     from torch.utils.cpp_extension import is_ninja_available
@@ -139,11 +139,18 @@ def _cpu_flags() -> set[str]:
 
 
 def kernels():
-    """The compiled kernels, or None (with one warning saying why) where they cannot be built."""
+    """The compiled module, or None (with one warning saying why) where it cannot be built. It always holds the
+    chunk loop (`kernels/scan.cpp`); the state kernels only where the CPU has AVX-512 (`state_kernels`)."""
     with _lock:
         if "module" not in _loaded:
             _loaded["module"] = _build()
         return _loaded["module"]
+
+
+def state_kernels():
+    """The compiled module where it holds the AVX-512 state kernels, else None."""
+    module = kernels()
+    return module if module is not None and module.STATE_KERNELS else None
 
 
 def _build():
@@ -180,7 +187,7 @@ def kernels_for(W: Tensor, rows: Tensor, *others: Optional[Tensor]):
     for t in others:
         if t is not None and (t.dtype is not torch.float32 or not t.is_cpu):
             return None
-    return kernels()
+    return state_kernels()
 
 
 def xw(x: Tensor, W: Tensor, out: Optional[Tensor] = None, accumulate: bool = False) -> Tensor:

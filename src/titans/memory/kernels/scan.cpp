@@ -43,7 +43,7 @@ struct Decays {
 // --- the products: kernels where state_ops.kernels_for would take them, ATen otherwise ------------------------
 
 bool kernel_serves(const Tensor& W, int64_t rows) {
-  return W.scalar_type() == at::kFloat && W.size(2) % 16 == 0 && rows >= kMinRows;
+  return kStateKernels && W.scalar_type() == at::kFloat && W.size(2) % 16 == 0 && rows >= kMinRows;
 }
 
 Tensor inner_contiguous(const Tensor& t) { return t.stride(2) == 1 ? t : t.contiguous(); }

@@ -1,4 +1,5 @@
-// State-sized products of the fused memory scan (fused.py), for float32 on CPUs with AVX-512.
+// State-sized products of the fused memory scan (fused.py), for float32 on CPUs with AVX-512 (compiled only where
+// the build targets AVX-512: elsewhere the module holds the chunk loop alone, see the end of this file).
 //
 // A chunk touches each state matrix W [K, N] (1 MiB at the benchmark's shape) only through products with
 // n = 16 rows: X W, G Wᵀ and rank-n updates W' = βW + cS + α Aᵀ G. The states of a training step do not fit in
@@ -10,6 +11,7 @@
 // state. Plain ATen references beside them in state_ops.py; tests/memory/test_state_ops.py compares the two.
 #include "state_ops.h"
 
+#ifdef __AVX512F__
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
@@ -636,6 +638,25 @@ std::vector<torch::Tensor> combine(torch::Tensor out, const torch::Tensor& W, co
   return {dots, xw_, xs_, zw, zp};
 }
 
+#else  // no AVX-512: the module holds the chunk loop (scan.cpp) alone, which then takes the ATen products
+
+void xw(const torch::Tensor&, const torch::Tensor&, torch::Tensor, bool) {
+  TORCH_CHECK(false, "xw: the state kernels need AVX-512");
+}
+void xwt(const torch::Tensor&, const torch::Tensor&, torch::Tensor, bool) {
+  TORCH_CHECK(false, "xwt: the state kernels need AVX-512");
+}
+std::vector<torch::Tensor> combine(torch::Tensor, const torch::Tensor&, const torch::Tensor&,
+                                   const c10::optional<torch::Tensor>&, const c10::optional<torch::Tensor>&,
+                                   const RowBlocks&, const RowBlocks&, double, const c10::optional<torch::Tensor>&,
+                                   const c10::optional<torch::Tensor>&, const c10::optional<torch::Tensor>&,
+                                   const c10::optional<RowBlocks>&, const c10::optional<torch::Tensor>&,
+                                   const c10::optional<RowBlocks>&, const c10::optional<torch::Tensor>&) {
+  TORCH_CHECK(false, "combine: the state kernels need AVX-512");
+}
+
+#endif  // __AVX512F__
+
 // Like ATen's operators, the kernels release the GIL while they run: other Python threads (a data loader, a second
 // model) go on meanwhile.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -643,6 +664,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("xw", &xw, "out (=|+=) X W", release());
   m.def("xwt", &xwt, "out (=|+=) G W^T", release());
   register_scan(m);
+  m.attr("STATE_KERNELS") = kStateKernels;
   m.def("combine", &combine, "out = beta W (+ c S) + alpha A^T G; from the same reads, the dots <P, W> and <P, S>, "
         "out2 = e S + alpha A^T G2, x W and x S, gw W^T + gs S^T and gp P^T + gq Q^T", release());
 }

@@ -9,6 +9,14 @@
 // saves the concatenation (2% of a training step).
 using RowBlocks = std::vector<torch::Tensor>;
 
+// Whether this build has the AVX-512 state kernels (the build targets the compiling CPU: -march=native). Without
+// them the module still holds the chunk loop, which then takes the ATen products (scan.cpp, `kernel_serves`).
+#ifdef __AVX512F__
+constexpr bool kStateKernels = true;
+#else
+constexpr bool kStateKernels = false;
+#endif
+
 // Below this many rows the zero-padded 16-row register blocks waste more than the kernels gain (state_ops.MIN_ROWS).
 constexpr int64_t kMinRows = 8;
 
