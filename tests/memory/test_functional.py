@@ -187,6 +187,52 @@ def test_bounded_gradient_norm_bounds_each_step():
         W = W_next
 
 
+@pytest.mark.parametrize("chunk_size, group, implementation",
+                         [(1, None, "fused"), (4, None, "fused"), (4, 2, "fused"), (1, None, "autograd"),
+                          (4, 2, "autograd")])
+def test_bounded_state_matches_the_reference(chunk_size, group, implementation):
+    """The bounded state (W, S back on their balls at every chunk end, a ragged last chunk included), with and without
+    recomputation groups: values and gradients as the token-by-token reference computes them."""
+    args = make_inputs(seq=13, depth=2, requires_grad=True)
+    bounds = dict(max_grad_norm=2.0, max_state_norm=0.6)  # ‖W_i‖ ≈ √d_out at these inputs: the ball is active
+    outs = []
+    for fn in (functools.partial(parallel_memory, implementation=implementation, checkpoint_chunks=group),
+               sequential_memory):
+        y, W, S = fn(*args, chunk_size=chunk_size, **bounds)
+        loss = (y**2).sum() + sum((w**3).sum() for w in W) + sum(s.sum() for s in S)
+        outs.append([y, *W, *S, *torch.autograd.grad(loss, flat(args))])
+    assert max_diff(*outs) <= 1e-10
+    unbounded = parallel_memory(*args, chunk_size=chunk_size, max_grad_norm=2.0)[0]
+    assert (unbounded - outs[0][0]).abs().max() > 1e-3  # the ball is active on these inputs
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_bounded_state_holds_whatever_the_gates(implementation):
+    """θ at its largest, momentum that never decays, no forgetting, values 1000x too large: the paper's rule runs
+    away (to NaN within 64 tokens, even in float64), the bounded state ends every chunk inside its ball."""
+    q, k, v, theta, eta, alpha, weights, momentum = make_inputs(seq=64, depth=3)
+    worst = dict(v=1000 * v, theta=torch.ones_like(theta), eta=torch.ones_like(eta), alpha=torch.zeros_like(alpha))
+    gates = (worst["theta"], worst["eta"], worst["alpha"])
+    free = parallel_memory(q, k, worst["v"], *gates, weights, momentum, chunk_size=4, implementation=implementation)
+    assert not all(torch.isfinite(w).all() for w in free[1])
+    W, S = weights, momentum
+    for start in range(0, 64, 4):  # chunk by chunk: every chunk end is inside the ball
+        sl = slice(start, start + 4)
+        y, W, S = parallel_memory(q[:, :, sl], k[:, :, sl], worst["v"][:, :, sl], *(g[:, :, sl] for g in gates), W,
+                                  S, chunk_size=4, max_state_norm=3.0, implementation=implementation)
+        assert torch.isfinite(y).all()
+        for x in (*W, *S):
+            norm = torch.linalg.vector_norm(x, dim=(-2, -1))
+            assert (norm <= 3.0 * x.shape[-1] ** 0.5 * (1 + 1e-12)).all()
+
+
+@pytest.mark.parametrize("bound", [0.0, -1.0, float("inf"), float("nan"), "1", True])
+@pytest.mark.parametrize("fn", [parallel_memory, sequential_memory])
+def test_bad_max_state_norm(bound, fn):
+    with pytest.raises(ValueError, match="max_state_norm"):
+        fn(*make_inputs(seq=7), max_state_norm=bound)
+
+
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_gradcheck_tiny(implementation):
     q, k, v, theta, eta, alpha, weights, momentum = make_inputs(batch=1, heads=1, seq=5, dim=2, hidden=3, requires_grad=True)

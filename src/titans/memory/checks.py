@@ -52,6 +52,7 @@ def check_memory_args(
     activation: str,
     residual: bool,
     max_grad_norm: Optional[float] = None,
+    max_state_norm: Optional[float] = None,
 ) -> Weights:
     """Validate the memory call; return the momentum (zeros when None)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -90,6 +91,9 @@ def check_memory_args(
     if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float))
                                       or not max_grad_norm > 0 or max_grad_norm == float("inf")):
         raise ValueError(f"max_grad_norm must be a positive finite number or None, got {max_grad_norm!r}")
+    if max_state_norm is not None and (isinstance(max_state_norm, bool) or not isinstance(max_state_norm, (int, float))
+                                       or not 0 < max_state_norm < float("inf")):
+        raise ValueError(f"max_state_norm must be a positive finite number or None, got {max_state_norm!r}")
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
     if not isinstance(weights, (tuple, list)) or len(weights) == 0:

@@ -38,7 +38,7 @@ from torch import Tensor
 
 from .checks import without_autocast
 from .decays import chunk_decays
-from .mlp import ACTIVATION_VJPS, ACTIVATIONS, forward_cached, grad_norm_scale, token_grad_sq_norm
+from .mlp import ACTIVATION_VJPS, ACTIVATIONS, forward_cached, grad_norm_scale, state_norm_scale, token_grad_sq_norm
 from .state_ops import combine, kernels, xw, xwt
 
 State = list[Tensor]  # [W_1, S_1, W_2, S_2, …], each [BH, d_in, d_out]
@@ -50,6 +50,7 @@ class ScanConfig:
     activation: str
     residual: bool
     max_grad_norm: Optional[float]
+    max_state_norm: Optional[float]  # the bounded state (parallel_memory's max_state_norm)
     group_chunks: Optional[int]  # chunks per recomputation group; None: one group, nothing recomputed
     record: bool  # save what the backward pass needs
 
@@ -383,6 +384,24 @@ def _state_numel(state: State) -> int:
     return sum(t.numel() for t in state)
 
 
+def _bound_state(cfg: ScanConfig, state: State, scales: Tensor) -> None:
+    """The bounded state: every matrix of a chunk's end state back on its ball ‖·‖_F ≤ max_state_norm · √d_out, in
+    place; the factors min(1, R / ‖·‖) go to `scales` `[BH, len(state)]`, for the backward pass."""
+    for i, t in enumerate(state):
+        scales[:, i] = state_norm_scale(t, cfg.max_state_norm).view(-1)
+    if (scales < 1).any():  # almost never: the ball is far larger than any state a working memory reaches
+        for i, t in enumerate(state):
+            t.mul_(scales[:, i].view(-1, 1, 1))
+
+
+def _scale_rows(state: State, scales: Tensor) -> None:
+    """The backward pass of `_bound_state` (its factors are constants to the outer gradient): each gradient matrix
+    times its factor, in place."""
+    if (scales < 1).any():
+        for i, t in enumerate(state):
+            t.mul_(scales[:, i].view(-1, 1, 1))
+
+
 class Record(NamedTuple):
     """What the backward pass needs of a run of chunks (the native loop keeps its own, `ScanRecord`)."""
 
@@ -392,14 +411,15 @@ class Record(NamedTuple):
 
 
 def _run_chunks(cfg: ScanConfig, keep: bool, start: State, chunks: range, q, k, v, theta, blocks: list[ChunkDecays],
-                y: Tensor, slots: list[State], last: Optional[State]):
+                y: Tensor, slots: list[State], last: Optional[State], scales: Optional[Tensor]):
     """Run `chunks` from `start`: chunk idx ends in `slots[idx % len(slots)]`, the last one in `last` (None: not
-    computed). With `keep`, return what `_backward_chunks` needs (a `Record`), else None."""
+    computed), bounded (`_bound_state`, chunk j's factors into `scales[j]`) where `scales` is given. With `keep`,
+    return what `_backward_chunks` needs (a `Record`), else None."""
     native = _native(q)
     if native is not None:
-        record = native.run_chunks(cfg.chunk_size, cfg.activation, cfg.residual, cfg.max_grad_norm, cfg.record, keep,
-                                   start, chunks.start, chunks.stop, q, k, v, theta, [list(b) for b in blocks], y,
-                                   slots, last or [])
+        record = native.run_chunks(cfg.chunk_size, cfg.activation, cfg.residual, cfg.max_grad_norm, cfg.max_state_norm,
+                                   cfg.record, keep, start, chunks.start, chunks.stop, q, k, v, theta,
+                                   [list(b) for b in blocks], y, slots, last or [], scales)
         return record if keep else None
     starts, caches, cur = [], [], start
     for idx, j in enumerate(chunks):
@@ -407,6 +427,8 @@ def _run_chunks(cfg: ScanConfig, keep: bool, start: State, chunks: range, q, k, 
         nxt = slots[idx % len(slots)] if j + 1 < chunks.stop else last
         cache = _chunk_forward(cfg, cur, q[:, s:e], k[:, s:e], v[:, s:e], theta[:, s:e], _decays_of(blocks, j),
                                y[:, s:e], nxt)
+        if nxt is not None and scales is not None:
+            _bound_state(cfg, nxt, scales[j])
         if keep:
             starts.append(cur)
             caches.append(cache)
@@ -416,19 +438,22 @@ def _run_chunks(cfg: ScanConfig, keep: bool, start: State, chunks: range, q, k, 
 
 def _backward_chunks(cfg: ScanConfig, record, theta: Tensor, blocks: list[ChunkDecays], d_blocks: list[ChunkDecays],
                      dy: Tensor, d_end: State, targets: list[State], d_q: Tensor, d_k: Tensor, d_v: Tensor,
-                     d_theta: Tensor) -> None:
+                     d_theta: Tensor, scales: Optional[Tensor]) -> None:
     """The recorded chunks in reverse: the i-th from the end writes the gradient of its starting state into
-    `targets[i]`, given that of its end state (`d_end`, then the previous target), and its rows of d_q, d_k, d_v,
-    d_theta and of the decays' gradients `d_blocks`."""
+    `targets[i]`, given that of its end state (`d_end`, then the previous target; scaled in place by the chunk's
+    `scales` where the state is bounded), and its rows of d_q, d_k, d_v, d_theta and of the decays' gradients
+    `d_blocks`."""
     if not isinstance(record, Record):
         _native(dy).backward_chunks(cfg.chunk_size, cfg.activation, cfg.residual, cfg.max_grad_norm, record, theta,
                                     [list(b) for b in blocks], [list(b) for b in d_blocks], dy, d_end, targets, d_q,
-                                    d_k, d_v, d_theta)
+                                    d_k, d_v, d_theta, scales)
         return
     d_cur = d_end
     for i, idx in enumerate(range(len(record.caches) - 1, -1, -1)):
         j = record.first_chunk + idx
         s, e = _bounds(j, dy.shape[1], cfg.chunk_size)
+        if scales is not None:
+            _scale_rows(d_cur, scales[j])
         grads = _chunk_backward(cfg, record.starts[idx], record.caches[idx], theta[:, s:e], _decays_of(blocks, j),
                                 dy[:, s:e], d_cur, targets[i])
         d_q[:, s:e], d_k[:, s:e], d_v[:, s:e], d_theta[:, s:e] = grads.q, grads.k, grads.v, grads.theta
@@ -453,11 +478,14 @@ class MemoryScan(torch.autograd.Function):
         y = q.new_empty(q.shape[:2] + (v.shape[2],))
         template = list(state)
         ctx.kept = None
+        # Factors of the bounded state, per chunk, row and state matrix (1 where a matrix was within its ball).
+        scales = q.new_ones(num_chunks, q.shape[0], len(state)) if cfg.max_state_norm is not None else None
+        ctx.scales = scales
         if cfg.record and len(groups) == 1:
             buf = _acquire(max(num_chunks - 1, 1) * _state_numel(template), q)
             final = _fresh_like(template)
             record = _run_chunks(cfg, True, template, groups[0], q, k, v, theta, blocks, y,
-                                 _carve(buf, template, num_chunks - 1), final)
+                                 _carve(buf, template, num_chunks - 1), final, scales)
             ctx.kept = (buf, record)
             boundaries: list[Tensor] = []
         else:
@@ -470,7 +498,7 @@ class MemoryScan(torch.autograd.Function):
                 # Chunks alternate between the two slots; a group's end state is fresh memory (saved as the next
                 # group's boundary, or returned).
                 last = _fresh_like(template)
-                _run_chunks(cfg, False, cur, chunks, q, k, v, theta, blocks, y, slots, last)
+                _run_chunks(cfg, False, cur, chunks, q, k, v, theta, blocks, y, slots, last, scales)
                 cur = last
             final = cur
             _release(buf)
@@ -528,13 +556,14 @@ class MemoryScan(torch.autograd.Function):
         for g in range(len(groups) - 1, -1, -1):
             chunks = groups[g]
             record = kept[1] if kept is not None else _run_chunks(cfg, True, boundaries[g], chunks, q, k, v, theta,
-                                                                  blocks, y_scratch, recompute_slots, None)
+                                                                  blocks, y_scratch, recompute_slots, None, ctx.scales)
             # The first chunk's gradient leaves the function: fresh memory, not the workspace.
             targets = []
             for j in reversed(chunks):
                 targets.append(_fresh_like(template) if j == 0 else d_slots[flip])
                 flip = 1 - flip
-            _backward_chunks(cfg, record, theta, blocks, d_blocks, dy, d_cur, targets, d_q, d_k, d_v, d_theta)
+            _backward_chunks(cfg, record, theta, blocks, d_blocks, dy, d_cur, targets, d_q, d_k, d_v, d_theta,
+                             ctx.scales)
             d_cur = targets[-1]
             del record
         _release(buf)

@@ -122,3 +122,14 @@ def grad_norm_scale(sq_norm: Tensor, max_grad_norm: float | None) -> Tensor | fl
     if max_grad_norm is None:
         return 1.0
     return max_grad_norm * torch.rsqrt(sq_norm.clamp_min(max_grad_norm**2))
+
+
+def state_norm_scale(matrix: Tensor, max_state_norm: float) -> Tensor:
+    """min(1, R / ‖X‖_F) per `[..., d_in, d_out]` matrix (keepdim), R = max_state_norm · √d_out: the factor that puts a
+    state matrix (a memory layer's weights or momentum) back on the ball ‖X‖_F ≤ R at a chunk's end.
+
+    R is relative to the default initialisation (entries of variance 1/d_in, so ‖W‖_F ≈ √d_out). The factor is
+    computed from a detached norm: the outer gradient treats it as a constant (a zero-norm matrix gets 1)."""
+    bound = max_state_norm * math.sqrt(matrix.shape[-1])
+    norm = torch.linalg.vector_norm(matrix.detach(), dim=(-2, -1), keepdim=True)
+    return (bound / norm).clamp(max=1.0)

@@ -28,6 +28,7 @@ from .mlp import (
     backward_deltas,
     forward_cached,
     grad_norm_scale,
+    state_norm_scale,
     token_grad_sq_norm,
 )
 
@@ -91,6 +92,18 @@ def _chunk_step(
     return y, tuple(WS_new)
 
 
+def _bound_state(WS: Weights, max_state_norm: Optional[float]) -> Weights:
+    """The bounded state: each W and S (stacked [W; S]) back on its ball ‖·‖_F ≤ max_state_norm · √d_out."""
+    if max_state_norm is None:
+        return WS
+    bounded = []
+    for ws in WS:
+        w, s = ws.chunk(2, dim=-2)
+        bounded.append(torch.cat([w * state_norm_scale(w, max_state_norm), s * state_norm_scale(s, max_state_norm)],
+                                 dim=-2))
+    return tuple(bounded)
+
+
 def _run_chunks(
     WS: Weights,
     q: Tensor,
@@ -103,9 +116,10 @@ def _run_chunks(
     chunk_size: int,
     activation: str,
     residual: bool,
-    max_grad_norm: Optional[float],
+    bounds: tuple[Optional[float], Optional[float]],
 ) -> tuple[Tensor, Weights]:
-    """Process q/k/v (a whole number of chunks, or one ragged chunk) chunk after chunk."""
+    """Process q/k/v (a whole number of chunks, or one ragged chunk) chunk after chunk; `bounds` is
+    (max_grad_norm, max_state_norm)."""
     seq = k.shape[2]
     n = min(chunk_size, seq)
     chunks = seq // n
@@ -119,20 +133,21 @@ def _run_chunks(
         step_theta = theta_chunks[:, :, j] if isinstance(theta, Tensor) else theta
         y, WS = _chunk_step(
             WS, q[:, :, sl], k[:, :, sl], v[:, :, sl], step_theta, step_decays, offset + j * n, activation, residual,
-            max_grad_norm,
+            bounds[0],
         )
+        WS = _bound_state(WS, bounds[1])
         outputs.append(y)
     return torch.cat(outputs, dim=2), WS
 
 
 def _fused_memory(q, k, v, theta, eta, alpha, weights, momentum, chunk_size, activation, residual,
-                  checkpoint_chunks, max_grad_norm) -> tuple[Tensor, Weights, Weights]:
+                  checkpoint_chunks, bounds) -> tuple[Tensor, Weights, Weights]:
     """`parallel_memory` through `fused.MemoryScan`, which works on `[batch·heads, …]` contiguous tensors."""
     batch, heads = k.shape[:2]
     inputs = [t.reshape(batch * heads, *t.shape[2:]).contiguous() for t in (q, k, v, theta, eta, alpha)]
     state = [t.reshape(batch * heads, *t.shape[2:]).contiguous() for pair in zip(weights, momentum) for t in pair]
     record = torch.is_grad_enabled() and any(t.requires_grad for t in inputs + state)
-    cfg = ScanConfig(chunk_size, activation, residual, max_grad_norm, checkpoint_chunks, record)
+    cfg = ScanConfig(chunk_size, activation, residual, bounds[0], bounds[1], checkpoint_chunks, record)
     y, *final = MemoryScan.apply(cfg, *inputs, *state)
     final = [t.view(batch, heads, *t.shape[1:]) for t in final]
     return y.view(batch, heads, *y.shape[1:]), tuple(final[0::2]), tuple(final[1::2])
@@ -153,6 +168,7 @@ def parallel_memory(
     residual: bool = True,
     checkpoint_chunks: Optional[int] = None,
     max_grad_norm: Optional[float] = None,
+    max_state_norm: Optional[float] = None,
     implementation: str = "fused",
 ) -> tuple[Tensor, Weights, Weights]:
     """Run the Titans memory over a sequence; return (y, weights after the last token, momentum).
@@ -172,6 +188,10 @@ def parallel_memory(
         max_grad_norm: bound c on each token's gradient norm ‖∇ℓ_t‖ (all layers together): token t steps with
             θ_t · min(1, c / ‖∇ℓ_t‖), so no single token can move the memory by more than θ_t c. Not in the
             paper; it keeps the inner loop stable when the memory weights grow. None: no bound.
+        max_state_norm: the bounded state: at the end of every chunk (a ragged last one included) each layer's W_i
+            and S_i are scaled back, per batch and head, onto the ball ‖·‖_F ≤ max_state_norm · √d_out (the default
+            initialisation has ‖W_i‖_F ≈ √d_out), the scale being a constant to the outer gradient. Not in the
+            paper; with it no input or gate can make the state grow without bound. None: no bound.
         checkpoint_chunks: when autograd is recording, recompute groups of this many chunks in the backward
             pass so memory holds one state per group instead of per chunk. None: no recomputation.
         implementation: "fused" (default; `fused.py`: hand-written backward, reused buffers) or "autograd"
@@ -182,7 +202,8 @@ def parallel_memory(
     kept in the dtype of `weights` (use float32 there even when q/k/v are bf16).
     """
     momentum = check_memory_args(q, k, v, theta, eta, alpha, weights, momentum, chunk_size, activation, residual,
-                                 max_grad_norm)
+                                 max_grad_norm, max_state_norm)
+    bounds = (max_grad_norm, max_state_norm)
     if checkpoint_chunks is not None and (not isinstance(checkpoint_chunks, int) or checkpoint_chunks < 1):
         raise ValueError(f"checkpoint_chunks must be a positive integer or None, got {checkpoint_chunks!r}")
     if implementation not in ("fused", "autograd"):
@@ -195,7 +216,7 @@ def parallel_memory(
     eta, alpha = eta.to(state_dtype), alpha.to(state_dtype)
     if implementation == "fused" and isinstance(theta, Tensor) and k.shape[2] > 0:
         y, W, S = _fused_memory(q, k, v, theta, eta, alpha, weights, momentum, chunk_size, activation, residual,
-                                checkpoint_chunks, max_grad_norm)
+                                checkpoint_chunks, bounds)
         return y.to(out_dtype), W, S
     WS = tuple(torch.cat([w, s], dim=-2) for w, s in zip(weights, momentum))  # state stacked [W; S]
 
@@ -213,7 +234,7 @@ def parallel_memory(
         sl = slice(start, end)
         th = theta[:, :, sl] if isinstance(theta, Tensor) else theta
         return _run_chunks(WS, q[:, :, sl], k[:, :, sl], v[:, :, sl], th, eta[:, :, sl], alpha[:, :, sl], start,
-                           chunk_size, activation, residual, max_grad_norm)
+                           chunk_size, activation, residual, bounds)
 
     outputs = []
     for start, end in pieces:

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from .checks import Theta, check_memory_args, without_autocast
-from .mlp import Weights, grad_norm_scale, memory_apply
+from .mlp import Weights, grad_norm_scale, memory_apply, state_norm_scale
 
 
 @without_autocast
@@ -30,10 +30,11 @@ def sequential_memory(
     activation: str = "gelu",
     residual: bool = True,
     max_grad_norm: Optional[float] = None,
+    max_state_norm: Optional[float] = None,
 ) -> tuple[Tensor, Weights, Weights]:
     """Same contract as `parallel_memory`, computed token by token."""
     momentum = check_memory_args(q, k, v, theta, eta, alpha, weights, momentum, chunk_size, activation, residual,
-                                 max_grad_norm)
+                                 max_grad_norm, max_state_norm)
     out_dtype, state_dtype = q.dtype, weights[0].dtype
     q, k, v = (t.to(state_dtype) for t in (q, k, v))
 
@@ -63,5 +64,8 @@ def sequential_memory(
             S = tuple(eta_t * s - theta_t * g for s, g in zip(S, grads))  # eq. 12: S_t = η_t S_{t-1} − θ_t ∇ℓ_t
             W = tuple(keep_t * w + s for w, s in zip(W, S))  # eq. 13: W_t = (1 − α_t) W_{t-1} + S_t
             outputs.append(memory_apply(q[:, :, t : t + 1], W, activation, residual))  # eq. 15: y_t = M(q_t; W_t)
+        if max_state_norm is not None:  # the bounded state: W and S back on their balls at the chunk's end
+            W = tuple(w * state_norm_scale(w, max_state_norm) for w in W)
+            S = tuple(s * state_norm_scale(s, max_state_norm) for s in S)
     y = torch.cat(outputs, dim=2) if outputs else q.new_zeros(q.shape[:3] + (v.shape[3],))
     return y.to(out_dtype), W, S

@@ -32,6 +32,7 @@ struct Config {
   bool gelu;  // σ: gelu, else silu
   bool residual;
   std::optional<double> max_grad_norm;
+  std::optional<double> max_state_norm;
   bool record;  // the backward pass follows: keep σ'(p_i) (fused.ScanConfig.record)
 };
 
@@ -298,6 +299,24 @@ Grads chunk_backward(const Config& cfg, const State& state, const Cache& cc, con
   return {d_q, d_k, -d_out, d_theta, {d_beta, d_c, d_D, d_E_last, d_e_n}};
 }
 
+// fused._bound_state: the end state's matrices back on their balls ‖·‖_F ≤ max_state_norm · √d_out, in place, their
+// factors min(1, R / ‖·‖) (mlp.state_norm_scale) into scales [rows, state.size()].
+void bound_state(const Config& cfg, const State& state, const Tensor& scales) {
+  for (size_t i = 0; i < state.size(); ++i) {
+    const double bound = *cfg.max_state_norm * std::sqrt(static_cast<double>(state[i].size(2)));
+    const auto norm = at::linalg_vector_norm(state[i], 2, at::IntArrayRef{1, 2}, false);
+    scales.select(1, i).copy_((norm.reciprocal() * bound).clamp_max(1.0));
+  }
+  if (scales.lt(1).any().item<bool>())
+    for (size_t i = 0; i < state.size(); ++i) state[i].mul_(scales.select(1, i).view({-1, 1, 1}));
+}
+
+// fused._scale_rows: the backward pass of bound_state, in place.
+void scale_rows(const State& state, const Tensor& scales) {
+  if (scales.lt(1).any().item<bool>())
+    for (size_t i = 0; i < state.size(); ++i) state[i].mul_(scales.select(1, i).view({-1, 1, 1}));
+}
+
 // --- the loop over chunks, one slice of rows per thread ------------------------------------------------------
 
 std::pair<int64_t, int64_t> chunk_bounds(int64_t j, int64_t seq, int64_t chunk_size) {
@@ -354,20 +373,23 @@ void for_slices(const std::vector<int64_t>& starts, const Body& body) {
 }
 
 Config make_config(int64_t chunk_size, const std::string& activation, bool residual,
-                   c10::optional<double> max_grad_norm, bool record) {
+                   c10::optional<double> max_grad_norm, c10::optional<double> max_state_norm, bool record) {
   TORCH_CHECK(activation == "gelu" || activation == "silu", "scan: unknown activation ", activation);
   return {chunk_size, activation == "gelu", residual,
-          max_grad_norm ? std::optional<double>(*max_grad_norm) : std::nullopt, record};
+          max_grad_norm ? std::optional<double>(*max_grad_norm) : std::nullopt,
+          max_state_norm ? std::optional<double>(*max_state_norm) : std::nullopt, record};
 }
 
 // fused._run_chunks: chunks [j0, j1) from `start`; chunk idx ends in slots[idx % len(slots)], the last one in
-// `last` (empty: not computed). With `keep`, returns every chunk's starting state and cache.
+// `last` (empty: not computed), bounded where `scales` is given. With `keep`, returns every chunk's starting state
+// and cache.
 std::shared_ptr<Record> run_chunks(int64_t chunk_size, const std::string& activation, bool residual,
-                                   c10::optional<double> max_grad_norm, bool record, bool keep, const State& start,
-                                   int64_t j0, int64_t j1, const Tensor& q, const Tensor& k, const Tensor& v,
-                                   const Tensor& theta, const Blocks& blocks, const Tensor& y,
-                                   const std::vector<State>& slots, const State& last) {
-  const Config cfg = make_config(chunk_size, activation, residual, max_grad_norm, record);
+                                   c10::optional<double> max_grad_norm, c10::optional<double> max_state_norm,
+                                   bool record, bool keep, const State& start, int64_t j0, int64_t j1, const Tensor& q,
+                                   const Tensor& k, const Tensor& v, const Tensor& theta, const Blocks& blocks,
+                                   const Tensor& y, const std::vector<State>& slots, const State& last,
+                                   const c10::optional<Tensor>& scales) {
+  const Config cfg = make_config(chunk_size, activation, residual, max_grad_norm, max_state_norm, record);
   auto rec = std::make_shared<Record>();
   rec->first_chunk = j0;
   rec->slice_starts = slice_starts(q.size(0));
@@ -389,6 +411,7 @@ std::shared_ptr<Record> run_chunks(int64_t chunk_size, const std::string& activa
       auto cache = chunk_forward(cfg, cur, q_.slice(1, t0, t1), k_.slice(1, t0, t1), v_.slice(1, t0, t1),
                                  theta_.slice(1, t0, t1), chunk_decays(blocks, j, b0, b1), y_.slice(1, t0, t1),
                                  nxt.empty() ? nullptr : &nxt);
+      if (!nxt.empty() && scales) bound_state(cfg, nxt, scales->select(0, j).narrow(0, b0, n));
       if (keep) rec->slices[s].push_back({cur, std::move(cache)});
       cur = std::move(nxt);
     }
@@ -397,14 +420,15 @@ std::shared_ptr<Record> run_chunks(int64_t chunk_size, const std::string& activa
 }
 
 // fused._backward_chunks: the recorded chunks in reverse; chunk number i from the end writes the gradient of its
-// starting state into targets[i], given that of its end state (d_end, then the previous target). Writes the
-// chunks' rows of d_q, d_k, d_v, d_theta and their decays' gradients into d_blocks.
+// starting state into targets[i], given that of its end state (d_end, then the previous target; scaled in place by
+// the chunk's `scales` where the state is bounded). Writes the chunks' rows of d_q, d_k, d_v, d_theta and their
+// decays' gradients into d_blocks.
 void backward_chunks(int64_t chunk_size, const std::string& activation, bool residual,
                      c10::optional<double> max_grad_norm, const Record& rec, const Tensor& theta,
                      const Blocks& blocks, const Blocks& d_blocks, const Tensor& dy, const State& d_end,
                      const std::vector<State>& targets, const Tensor& d_q, const Tensor& d_k, const Tensor& d_v,
-                     const Tensor& d_theta) {
-  const Config cfg = make_config(chunk_size, activation, residual, max_grad_norm, true);
+                     const Tensor& d_theta, const c10::optional<Tensor>& scales) {
+  const Config cfg = make_config(chunk_size, activation, residual, max_grad_norm, c10::nullopt, true);
   const int64_t count = rec.slices.empty() ? 0 : static_cast<int64_t>(rec.slices[0].size());
   TORCH_CHECK(static_cast<int64_t>(targets.size()) == count, "scan: one target state per recorded chunk");
   const int64_t seq = dy.size(1);
@@ -416,6 +440,7 @@ void backward_chunks(int64_t chunk_size, const std::string& activation, bool res
       const int64_t j = rec.first_chunk + idx;
       const auto [t0, t1] = chunk_bounds(j, seq, chunk_size);
       State d_prev = rows_of(targets[count - 1 - idx], b0, b1);
+      if (scales) scale_rows(d_cur, scales->select(0, j).narrow(0, b0, n));
       auto rows = [&](const Tensor& t) { return t.narrow(0, b0, n).slice(1, t0, t1); };
       const auto g = chunk_backward(cfg, chunks[idx].start, chunks[idx].cache, rows(theta),
                                     chunk_decays(blocks, j, b0, b1), rows(dy), d_cur, d_prev);
