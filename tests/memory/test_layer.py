@@ -1,5 +1,7 @@
 """NeuralMemory: streaming with carried state, causality, long streams, options, bad input."""
 
+import math
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -13,10 +15,13 @@ OPTION_SETS = {
     "default": {},
     "chunk-pooled gates": {"gate_pooling": "chunk"},
     "surprise gate": {"surprise_gate": True},
-    "gated deltanet": {"depth": 1, "momentum": False, "residual": False, "gradients": "token"},
+    "gated deltanet": {"depth": 1, "momentum": False, "residual": False, "gradients": "token", "max_grad_norm": None,
+                       "max_state_norm": None},
     "mini-batch deltanet": {"depth": 1, "momentum": False, "residual": False},
     "depth 3 silu": {"depth": 3, "activation": "silu", "expansion": 2},
     "bounded gradient norm": {"max_grad_norm": 0.5},
+    "bounded state, active": {"max_state_norm": 0.2},
+    "the paper's rule": {"normalize_inputs": False, "max_grad_norm": None, "max_state_norm": None, "max_lr": 0.1},
 }
 
 
@@ -135,7 +140,7 @@ def test_checkpointing_matches_plain_training_gradients():
 
 def test_long_stream_stays_finite_float32():
     """200k random tokens through one state, float32, with the step at its bound (θ ≈ max_lr) and
-    almost no forgetting: the bound on θ (with l2-normalised keys) keeps the memory finite."""
+    almost no forgetting: the default rule keeps the memory finite and inside its ball."""
     torch.manual_seed(0)
     memory = NeuralMemory(64, heads=2, chunk_size=16, depth=2, expansion=4)
     with torch.no_grad():
@@ -150,6 +155,8 @@ def test_long_stream_stays_finite_float32():
     assert state.seq_pos == 200_000
     assert all(torch.isfinite(w).all() for w in state.weights + state.momentum)
     assert all(w.dtype == torch.float32 for w in state.weights)
+    assert all(torch.linalg.vector_norm(w, dim=(-2, -1)).max() <= 10.0 * w.shape[-1] ** 0.5 * (1 + 1e-5)
+               for w in state.weights + state.momentum)
 
 
 def test_bf16_model_keeps_float32_state():
@@ -172,6 +179,11 @@ def test_bf16_model_keeps_float32_state():
         ({"init_alpha": 1.0}, "init_alpha"),
         ({"max_grad_norm": 0.0}, "max_grad_norm"),
         ({"max_grad_norm": float("inf")}, "max_grad_norm"),
+        ({"max_state_norm": 0.0}, "max_state_norm"),
+        ({"max_state_norm": float("nan")}, "max_state_norm"),
+        ({"init_eta": 1.0}, "init_eta"),
+        ({"init_theta": 1.0}, "init_theta"),
+        ({"max_lr": 0.1, "init_theta": 0.2}, "init_theta"),
     ],
 )
 def test_bad_construction_names_the_field(kwargs, field):
@@ -179,13 +191,15 @@ def test_bad_construction_names_the_field(kwargs, field):
         NeuralMemory(**{"dim": 16, **kwargs})
 
 
-def test_init_alpha_is_the_forgetting_rate_at_initialisation():
-    memory = NeuralMemory(16, heads=2, init_alpha=3e-4)
+def test_init_values_are_the_gates_at_initialisation():
+    memory = NeuralMemory(16, heads=2, max_lr=0.5, init_theta=0.05, init_eta=0.3, init_alpha=3e-4)
     with torch.no_grad():
         memory.to_gates.weight.zero_()
         logits = memory.to_gates(torch.randn(1, 5, 16)).unflatten(-1, (3, 2)).permute(0, 3, 1, 2)  # [B, H, T, 3]
-        _, _, alpha = memory._gate_values(logits)
-    torch.testing.assert_close(alpha, torch.full_like(alpha, 3e-4))
+        theta, eta, alpha = memory._gate_values(logits)
+    for gate, value in ((theta, 0.05), (eta, 0.3), (alpha, 3e-4)):
+        torch.testing.assert_close(gate, torch.full_like(gate, value))
+    assert NeuralMemory(16, max_lr=0.5).to_gates.bias[0].item() == pytest.approx(math.log(0.2 / 0.8))  # 0.2 θ_max
 
 
 def test_bad_input_shape():
@@ -235,7 +249,7 @@ def test_token_gradients_do_not_depend_on_the_chunk_size():
 
 
 @pytest.mark.parametrize("kwargs", [dict(depth=2), dict(momentum=True), dict(surprise_gate=True),
-                                    dict(max_grad_norm=1.0), dict(gradients="exact")])
+                                    dict(max_grad_norm=1.0), dict(max_state_norm=1.0), dict(gradients="exact")])
 def test_token_gradients_need_the_delta_rule_configuration(kwargs):
     options = {**OPTION_SETS["gated deltanet"], **kwargs}
     with pytest.raises(ValueError, match="gradients"):

@@ -117,3 +117,126 @@ def matmul(
     typer.echo(format_table(measure(rows, d_in, d_out, batch, dram_mib, repeats)))
     typer.echo(f"streaming read (sum over {dram_mib} MiB): {stream_gib_s(dram_mib, repeats):.1f} GiB/s; "
                f"{__import__('torch').get_num_threads()} threads; machine: {describe_machine()}")
+
+
+def _float_list(text: str, name: str) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise typer.BadParameter(f"{name} must be comma-separated numbers, got {text!r}") from None
+    if not values or not all(0 < v < float("inf") for v in values):
+        raise typer.BadParameter(f"{name} must be positive finite numbers, got {text!r}")
+    return values
+
+
+def _choices(text: str, name: str, allowed: tuple[str, ...]) -> list[str]:
+    values = [v.strip() for v in text.split(",") if v.strip()]
+    bad = [v for v in values if v not in allowed]
+    if not values or bad:
+        raise typer.BadParameter(f"{name} must be comma-separated values from {', '.join(allowed)}, got {text!r}")
+    return values
+
+
+@bench_app.command("stability")
+def stability(
+    tokens: int = typer.Option(16384, min=1, help="Tokens streamed through one state per stream case."),
+    train_tokens: int = typer.Option(4096, min=0, help="Of those, the first ones run with a backward pass."),
+    depths: str = typer.Option("1,2,3,4", help="Memory depths."),
+    activations: str = typer.Option("gelu,silu"),
+    momentum: str = typer.Option("on,off"),
+    chunk_sizes: str = typer.Option("1,16,64"),
+    scales: str = typer.Option("0.001,1,1000", help="Input scales: x = randn · scale."),
+    gates: str = typer.Option("init,worst", help="init: gates at initialisation; worst: θ = θ_max, η = 1, α = 0."),
+    dtypes: str = typer.Option("float32,bf16-autocast"),
+    rules: str = typer.Option("ours,paper", help="ours: the library's default rule; paper: the unbounded rule."),
+    train_steps: int = typer.Option(60, min=0, help="Steps per training-sweep run (0: no training sweep)."),
+    lrs: str = typer.Option("0.001,0.01,0.1", help="Learning rates of the training sweep."),
+    workers: int = typer.Option(2, min=1, help="Processes side by side (one torch thread each)."),
+    out: Optional[Path] = typer.Option(None, help="Write every case's result and the summaries as JSON here."),
+) -> None:
+    """The memory's inner loop at any input scale, depth, chunk size and gates: the fraction of runs that stay finite,
+    with the default rule and the paper's, in streams (test time and training) and in a training sweep."""
+    import sys
+    from concurrent.futures import ProcessPoolExecutor
+    from functools import partial
+    from multiprocessing import get_context
+
+    from .stability import (RULES, StabilityGrid, as_json, format_summary, largest_state, run_stream, run_training,
+                            summarize)
+
+    grid = StabilityGrid(
+        depths=_int_list(depths, "depths"), activations=_choices(activations, "activations", ("gelu", "silu")),
+        momenta=[m == "on" for m in _choices(momentum, "momentum", ("on", "off"))],
+        chunk_sizes=_int_list(chunk_sizes, "chunk_sizes"), scales=_float_list(scales, "scales"),
+        gates=_choices(gates, "gates", ("init", "worst")),
+        dtypes=_choices(dtypes, "dtypes", ("float32", "bf16-autocast")),
+        lrs=_float_list(lrs, "lrs"), rules=_choices(rules, "rules", tuple(RULES)))
+    streams, trains = grid.stream_cases(), grid.train_cases() if train_steps else []
+    with ProcessPoolExecutor(workers, mp_context=get_context("spawn"), initializer=_one_thread) as pool:
+        stream_results = list(pool.map(partial(run_stream, tokens=tokens, train_tokens=train_tokens), streams))
+        train_results = list(pool.map(partial(run_training, steps=train_steps), trains))
+    stream_axes = ["depth", "activation", "momentum", "chunk_size", "scale", "gates", "dtype"]
+    summaries = {"streams": summarize(stream_results, stream_axes)}
+    typer.echo(f"machine: {describe_machine()}; {tokens} tokens per stream, the first {train_tokens} with a backward "
+               f"pass; {len(streams)} stream cases, {len(trains)} training runs of {train_steps} steps")
+    typer.echo(format_summary("streams: finite runs (outputs, states, gradients)", summaries["streams"]))
+    for rule in grid.rules:
+        typer.echo(f"{rule}: largest state norm (‖·‖_F / √d_out) of a finite stream: {largest_state(stream_results, rule)}")
+    if train_results:
+        summaries["training"] = summarize(train_results, ["depth", "scale", "lr"])
+        typer.echo(format_summary("training sweep: finite runs (loss, parameters)", summaries["training"]))
+    if out is not None:
+        out.write_text(json.dumps({
+            "command": "titans " + " ".join(sys.argv[1:]), "machine": describe_machine(), "tokens": tokens,
+            "train_tokens": train_tokens, "train_steps": train_steps, "summaries": summaries,
+            "streams": as_json(stream_results), "training": as_json(train_results)}, indent=1))
+        typer.echo(f"wrote {out}")
+
+
+def _one_thread() -> None:
+    import torch
+
+    torch.set_num_threads(1)
+
+
+@bench_app.command("recall")
+def recall(
+    variants: str = typer.Option("lmm,mac,mag,mal,transformer,swa,lstm,gated_deltanet", help="Model variants."),
+    tasks: str = typer.Option("passkey,mqar,kv_recall", help="Recall tasks."),
+    steps: int = typer.Option(1000, min=1, help="Training steps per run."),
+    train_length: int = typer.Option(128, min=1, help="Training length; evaluation at 1x, 4x and 8x."),
+    seeds: int = typer.Option(1, min=1, help="Seeds per (variant, task)."),
+    workers: int = typer.Option(2, min=1, help="Runs side by side (one torch thread each)."),
+    run_dir: Path = typer.Option(Path("runs/bench-recall"), help="Where the runs go; finished runs are reused."),
+    out: Optional[Path] = typer.Option(None, help="Write the table's numbers and every run's details as JSON here."),
+) -> None:
+    """Every variant with the default settings, trained on passkey, MQAR and key-value recall across noise; accuracy
+    at 1x, 4x and 8x the training length."""
+    import sys
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import get_context
+
+    from ..models import VARIANTS
+    from .recall import MULTIPLES, SIZES, TASKS, collect, format_table, recall_config, train_one
+
+    chosen_variants = _choices(variants, "variants", VARIANTS)
+    chosen_tasks = _choices(tasks, "tasks", tuple(TASKS))
+    configs = [recall_config(v, t, s, steps, train_length) for t in chosen_tasks for v in chosen_variants
+               for s in range(seeds)]
+    dirs = [run_dir / cfg.run_name for cfg in configs]
+    with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
+        summaries = list(pool.map(train_one, configs, dirs))
+    rows = [collect(cfg, summary) for cfg, summary in zip(configs, summaries)]
+    typer.echo(f"machine: {describe_machine()}; {steps} steps at {train_length} tokens, batch 32, {seeds} seed(s); "
+               f"sizes {SIZES}")
+    typer.echo(format_table(rows, chosen_tasks))
+    skipped = sum(r["skipped_steps"] for r in rows)
+    typer.echo(f"skipped training steps (non-finite loss or gradient), all runs: {skipped}")
+    if out is not None:
+        out.write_text(json.dumps({
+            "command": "titans " + " ".join(sys.argv[1:]), "machine": describe_machine(), "steps": steps,
+            "train_length": train_length, "multiples": list(MULTIPLES), "sizes": SIZES,
+            "tasks": {t: {"options": TASKS[t].options, "metric": TASKS[t].metric, "about": TASKS[t].about}
+                      for t in chosen_tasks},
+            "runs": rows}, indent=1))
+        typer.echo(f"wrote {out}")

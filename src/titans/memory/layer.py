@@ -26,6 +26,10 @@ from .mlp import ACTIVATIONS, Weights, memory_apply
 from .parallel import parallel_memory
 
 
+def logit(p: float) -> float:
+    return math.log(p / (1.0 - p))
+
+
 @dataclasses.dataclass
 class MemoryState:
     """Everything needed to continue a stream; constant size in the sequence length.
@@ -66,8 +70,14 @@ class NeuralMemory(nn.Module):
             constant within the chunk and known when the chunk starts, so still causal).
         surprise_gate: θ_t = max_lr · sigmoid(x_t w_θ + b_θ + w_s log(1 + surprise_t)), surprise_t being the
             memory's reconstruction error ‖M(k_t) − v_t‖² at the chunk's starting weights.
+        init_theta: θ at initialisation (default 0.2 max_lr).
+        init_eta: momentum η at initialisation.
         init_alpha: forgetting α at initialisation (the gate's bias is logit(init_alpha)); the memory keeps
             about (1 − α)^n of what it wrote n tokens ago, so long contexts want a small value.
+        normalize_inputs: the inner loop's inputs carry no scale: values l2-normalised like the queries and keys,
+            gates read from the RMS-normalised x (not in the paper, whose values and gates take x as it comes).
+        max_state_norm: the bounded state: W_i and S_i back on ‖·‖_F ≤ max_state_norm · √d_out at every chunk end
+            (see `parallel_memory`); None: unbounded, as in the paper.
         max_grad_norm: bound on each token's inner gradient norm (θ_t scaled by min(1, c / ‖∇ℓ_t‖), see
             `parallel_memory`); None: the paper's unbounded step.
         gradients: where each token's inner gradient is taken: "chunk" (at its chunk's starting weights, the
@@ -86,7 +96,7 @@ class NeuralMemory(nn.Module):
         depth: int = 2,
         expansion: int = 4,
         chunk_size: int = 16,
-        max_lr: float = 0.1,
+        max_lr: float = 1.0,
         activation: str = "gelu",
         momentum: bool = True,
         residual: bool = True,
@@ -94,9 +104,13 @@ class NeuralMemory(nn.Module):
         gate_pooling: Literal["token", "chunk"] = "token",
         surprise_gate: bool = False,
         checkpoint_chunks: Optional[int] = None,
-        init_alpha: float = 0.006692850924284856,  # sigmoid(-5)
-        max_grad_norm: Optional[float] = None,
+        init_theta: Optional[float] = None,
+        init_eta: float = 0.1,
+        init_alpha: float = 3e-4,
+        max_grad_norm: Optional[float] = 4.0,
         gradients: Literal["chunk", "token"] = "chunk",
+        normalize_inputs: bool = True,
+        max_state_norm: Optional[float] = 10.0,
     ):
         super().__init__()
         if dim < 1 or heads < 1 or dim % heads:
@@ -111,6 +125,11 @@ class NeuralMemory(nn.Module):
             raise ValueError(f"max_lr must be > 0, got {max_lr}")
         if not 0 < init_alpha < 1:
             raise ValueError(f"init_alpha must be in (0, 1), got {init_alpha}")
+        if not 0 < init_eta < 1:
+            raise ValueError(f"init_eta must be in (0, 1), got {init_eta}")
+        init_theta = 0.2 * max_lr if init_theta is None else init_theta
+        if not 0 < init_theta < max_lr:
+            raise ValueError(f"init_theta must be in (0, max_lr = {max_lr}), got {init_theta}")
         if max_grad_norm is not None and not 0 < max_grad_norm < float("inf"):
             raise ValueError(f"max_grad_norm must be a positive finite number or None, got {max_grad_norm}")
         if activation not in ACTIVATIONS:
@@ -119,33 +138,43 @@ class NeuralMemory(nn.Module):
             raise ValueError(f"gate_pooling must be 'token' or 'chunk', got {gate_pooling!r}")
         if gradients not in ("chunk", "token"):
             raise ValueError(f"gradients must be 'chunk' or 'token', got {gradients!r}")
-        if gradients == "token" and (depth != 1 or momentum or surprise_gate or max_grad_norm is not None):
+        if max_state_norm is not None and not 0 < max_state_norm < float("inf"):
+            raise ValueError(f"max_state_norm must be a positive finite number or None, got {max_state_norm}")
+        if gradients == "token" and (depth != 1 or momentum or surprise_gate or max_grad_norm is not None
+                                     or max_state_norm is not None):
             raise ValueError("gradients='token' (the exact delta rule) needs depth=1, momentum=False, "
-                             f"surprise_gate=False and max_grad_norm=None, got depth={depth}, momentum={momentum}, "
-                             f"surprise_gate={surprise_gate}, max_grad_norm={max_grad_norm}")
+                             "surprise_gate=False, max_grad_norm=None and max_state_norm=None, got "
+                             f"depth={depth}, momentum={momentum}, surprise_gate={surprise_gate}, "
+                             f"max_grad_norm={max_grad_norm}, max_state_norm={max_state_norm}")
         self.dim, self.heads, self.head_dim = dim, heads, dim // heads
         self.depth, self.chunk_size, self.max_lr = depth, chunk_size, max_lr
         self.activation, self.use_momentum, self.residual = activation, momentum, residual
         self.gate_pooling, self.surprise_gate, self.checkpoint_chunks = gate_pooling, surprise_gate, checkpoint_chunks
-        self.max_grad_norm, self.gradients = max_grad_norm, gradients
+        self.max_grad_norm, self.max_state_norm = max_grad_norm, max_state_norm
+        self.gradients, self.normalize_inputs = gradients, normalize_inputs
 
         self.to_qkv = nn.Linear(dim, 3 * dim, bias=False)  # W_Q, W_K, W_V
         self.conv = CausalDepthwiseConv(3 * dim, conv_kernel)
         self.to_gates = nn.Linear(dim, 3 * heads)  # logits of θ, η, α per head
         with torch.no_grad():
             self.to_gates.weight.mul_(0.1)
-            # Start with a moderate step (θ ≈ 0.12 max_lr), some momentum (η ≈ 0.5) and slow forgetting
-            # (init_alpha): the memory can store from the first step and the outer loop tunes the rest.
+            # Every gate starts at its init_* value (the bias is its logit); the outer loop tunes the rest.
             bias = self.to_gates.bias.view(3, heads)
-            bias[0].fill_(-2.0)
-            bias[1].fill_(0.0)
-            bias[2].fill_(math.log(init_alpha / (1.0 - init_alpha)))
+            bias[0].fill_(logit(init_theta / max_lr))
+            bias[1].fill_(logit(init_eta))
+            bias[2].fill_(logit(init_alpha))
         self.surprise_weight = nn.Parameter(torch.zeros(heads)) if surprise_gate else None
 
         hidden = self.head_dim * expansion
         widths = [self.head_dim] + [hidden] * (depth - 1) + [self.head_dim]
+        # W_0: the last layer starts at zero, so the memory starts as M(x) = x (residual) or 0 and reads back only what
+        # it has written. With a random last layer a deep memory adds a fixed random function to every read, and at our
+        # scale it did not learn recall at all (DESIGN.md §1, "Initialisation"); the earlier layers are random, or
+        # the last layer would receive no inner gradient (∂ℓ/∂W_L = σ(a W)ᵀ δ).
         self.initial_weights = nn.ParameterList(
-            nn.Parameter(torch.randn(heads, d_in, d_out) / math.sqrt(d_in)) for d_in, d_out in zip(widths, widths[1:])
+            nn.Parameter(torch.randn(heads, d_in, d_out) / math.sqrt(d_in) if i < depth - 1
+                         else torch.zeros(heads, d_in, d_out))
+            for i, (d_in, d_out) in enumerate(zip(widths, widths[1:]))
         )
         self.out_norm_weight = nn.Parameter(torch.ones(heads, 1, self.head_dim))
         self.to_out_gate = nn.Linear(dim, dim, bias=False)
@@ -243,6 +272,7 @@ class NeuralMemory(nn.Module):
             q, k, v, theta, eta, alpha, weights, momentum,
             chunk_size=self.chunk_size, activation=self.activation, residual=self.residual,
             checkpoint_chunks=self._checkpoint_group(k.shape[2]), max_grad_norm=self.max_grad_norm,
+            max_state_norm=self.max_state_norm,
         )
 
     # -------------------------------------------------------------------------------------- forward
@@ -259,7 +289,9 @@ class NeuralMemory(nn.Module):
         q = self._queries(proj_q)
         k = F.normalize(self._split_heads(F.silu(proj_k)), dim=-1)
         v = self._split_heads(F.silu(proj_v))
-        gates = self.to_gates(x).to(dtype).unflatten(-1, (3, self.heads)).permute(0, 3, 1, 2)  # [B, H, T, 3]
+        if self.normalize_inputs:  # the inner loop sees no scale: unit values like the keys, gates from unit-RMS x
+            v = F.normalize(v, dim=-1)
+        gates = self.to_gates(F.rms_norm(x, (self.dim,)) if self.normalize_inputs else x).to(dtype).unflatten(-1, (3, self.heads)).permute(0, 3, 1, 2)  # [B, H, T, 3]
 
         # Continue the unfinished chunk: its pending tokens go first (their outputs are discarded),
         # so every chunk's gradients are taken at the weights it started with, as in one call.

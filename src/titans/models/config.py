@@ -30,9 +30,13 @@ class TitansConfig(Config):
     memory_expansion: int = 4  # hidden width of the memory MLP / head width (paper: 4)
     memory_heads: Optional[int] = None  # default: heads
     chunk_size: int = 16  # memory chunk b (paper: 16)
-    max_lr: float = 0.02  # θ_max; conservative: MAC diverged at 0.05 in our small CPU runs
-    memory_init_alpha: float = 0.006692850924284856  # sigmoid(-5): α at init; memory keeps ≈ (1 − α)^n after n tokens
-    memory_max_grad_norm: Optional[float] = None  # bound on each token's inner gradient norm (not in the paper)
+    max_lr: float = 1.0  # θ_max (the bound on the inner step; with unit keys, θ = 0.5 writes a value exactly)
+    memory_init_theta: Optional[float] = None  # θ at init; None: 0.2 max_lr
+    memory_init_eta: float = 0.1  # momentum η at init (0.5 kept the memory models from learning recall)
+    memory_init_alpha: float = 3e-4  # α at init: the memory keeps ≈ (1 − α)^n of a write after n tokens (74% at 1024)
+    memory_max_grad_norm: Optional[float] = 4.0  # bound on each token's inner gradient norm (not in the paper)
+    memory_max_state_norm: Optional[float] = 10.0  # the bounded state: ‖W_i‖, ‖S_i‖ ≤ this · √d_out (not in the paper)
+    memory_normalize_inputs: bool = True  # unit values, gates from RMS-normalised x (not in the paper)
     memory_activation: Literal["gelu", "silu"] = "gelu"  # paper: GELU
     momentum: bool = True  # η (past surprise); gated_deltanet always runs without
     gate_pooling: Literal["token", "chunk"] = "token"
@@ -66,10 +70,16 @@ class TitansConfig(Config):
             raise ValueError(f"n_persistent must be >= 0, got {self.n_persistent}")
         if not 0 < self.max_lr:
             raise ValueError(f"max_lr must be > 0, got {self.max_lr}")
+        if self.memory_init_theta is not None and not 0 < self.memory_init_theta < self.max_lr:
+            raise ValueError(f"memory_init_theta must be in (0, max_lr = {self.max_lr}), got {self.memory_init_theta}")
+        if not 0 < self.memory_init_eta < 1:
+            raise ValueError(f"memory_init_eta must be in (0, 1), got {self.memory_init_eta}")
         if not 0 < self.memory_init_alpha < 1:
             raise ValueError(f"memory_init_alpha must be in (0, 1), got {self.memory_init_alpha}")
         if self.memory_max_grad_norm is not None and not 0 < self.memory_max_grad_norm < float("inf"):
             raise ValueError(f"memory_max_grad_norm must be > 0 and finite, got {self.memory_max_grad_norm}")
+        if self.memory_max_state_norm is not None and not 0 < self.memory_max_state_norm < float("inf"):
+            raise ValueError(f"memory_max_state_norm must be > 0 and finite, got {self.memory_max_state_norm}")
         if not 0 <= self.dropout < 1:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
         if self.mlp_ratio <= 0:
