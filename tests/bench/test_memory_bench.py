@@ -37,10 +37,13 @@ def test_rounds_alternate_and_keep_the_best_of_each(tmp_path):
     out = tmp_path / "bench.json"
     result = CliRunner().invoke(app, ["bench", "memory", "--lengths", "16", "--dim", "8", "--expansion", "2",
                                       "--chunk-size", "4", "--batch", "2", "--warmup", "0", "--repeats", "1",
-                                      "--rounds", "2", "--no-reference", "--out", str(out)])
+                                      "--rounds", "2", "--no-reference", "--paper-rule", "--out", str(out)])
     assert result.exit_code == 0, result.output
-    assert result.output.count("   titans seq     16: ok") == 2 and "best of 2 round(s)" in result.output
-    assert [p["seq_len"] for p in json.loads(out.read_text())] == [16]
+    assert result.output.count("      titans seq     16: ok") == 2 and "best of 2 round(s)" in result.output
+    assert result.output.count("titans-paper seq     16: ok") == 2
+    assert [(p["impl"], p["seq_len"]) for p in json.loads(out.read_text())] == [("titans", 16), ("titans-paper", 16)]
+    cost = result.output.splitlines()[-2]  # the rule-cost table's row, before "wrote ..."
+    assert cost.startswith("| 16 |") and float(cost.split("|")[-2]) > 0
 
 
 def test_best_of_takes_the_fastest_runs_and_the_highest_peak():

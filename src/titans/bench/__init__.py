@@ -58,6 +58,8 @@ def memory(
                                               "see the same phases of a noisy machine; the best of each is reported."),
     warmup: int = typer.Option(2, min=0, help="Untimed iterations first (allocator and caches reach steady state)."),
     reference: bool = typer.Option(True, help="Also measure titans-pytorch==0.5.5 when installed."),
+    paper_rule: bool = typer.Option(False, help="Also measure our memory with the paper's unbounded rule (no input "
+                                                "normalisation, no bounds): what the default rule costs."),
     reference_lengths: Optional[str] = typer.Option(
         "512,1024,2048,8192", help="Lengths at which to run the reference (it is slow and memory hungry)."
     ),
@@ -69,12 +71,12 @@ def memory(
     out: Optional[Path] = typer.Option(None, help="Write the points as JSON here."),
 ) -> None:
     """NeuralMemory tokens/s (forward, forward+backward) and peak memory, against the reference."""
-    from .memory import best_of, format_table, reference_available, run_point
+    from .memory import best_of, format_rule_cost, format_table, reference_available, run_point
 
     seq_lens = _int_list(lengths, "lengths")
     spec = dict(batch=batch, dim=dim, heads=heads, depth=depth, expansion=expansion, chunk_size=chunk_size,
                 repeats=repeats, warmup=warmup)
-    impls = ["titans"]
+    impls = ["titans"] + (["titans-paper"] if paper_rule else [])
     if reference and reference_available():
         impls.append("reference")
     elif reference:
@@ -82,11 +84,11 @@ def memory(
     ref_lens = set(_int_list(reference_lengths, "reference_lengths")) if reference_lengths else set(seq_lens)
     points = []
     for seq in seq_lens:
-        runs: dict[str, list] = {impl: [] for impl in impls if impl == "titans" or seq in ref_lens}
+        runs: dict[str, list] = {impl: [] for impl in impls if impl != "reference" or seq in ref_lens}
         for _ in range(rounds):
             for impl, done in runs.items():
                 point = run_point({**spec, "impl": impl, "seq_len": seq}, memory_cap_gib, timeout_s, release_memory)
-                typer.echo(f"{impl:>9} seq {seq:>6}: {point.status}, fwd {point.fwd_tok_s or 0:.0f} tok/s, "
+                typer.echo(f"{impl:>12} seq {seq:>6}: {point.status}, fwd {point.fwd_tok_s or 0:.0f} tok/s, "
                            f"fwd+bwd {point.fwd_bwd_tok_s or 0:.0f} tok/s, peak {point.peak_mib or 0:.0f} MiB", err=True)
                 done.append(point)
         points.extend(best_of(done) for done in runs.values())
@@ -96,6 +98,8 @@ def memory(
                + ("MALLOC_MMAP_THRESHOLD_=131072" if release_memory else "glibc default"))
     typer.echo(f"machine: {describe_machine()}")
     typer.echo(format_table(points))
+    if paper_rule:
+        typer.echo(format_rule_cost(points))
     if out is not None:
         out.write_text(json.dumps([p.__dict__ for p in points], indent=2))
         typer.echo(f"wrote {out}")
@@ -208,6 +212,8 @@ def recall(
     seeds: int = typer.Option(1, min=1, help="Seeds per (variant, task)."),
     workers: int = typer.Option(2, min=1, help="Runs side by side (one torch thread each)."),
     run_dir: Path = typer.Option(Path("runs/bench-recall"), help="Where the runs go; finished runs are reused."),
+    overrides: Optional[list[str]] = typer.Option(None, "--set", help="A change to the defaults for every run, as "
+                                                                      "titans train takes it: model.max_lr=0.02"),
     out: Optional[Path] = typer.Option(None, help="Write the table's numbers and every run's details as JSON here."),
 ) -> None:
     """Every variant with the default settings, trained on passkey, MQAR and key-value recall across noise; accuracy
@@ -221,21 +227,21 @@ def recall(
 
     chosen_variants = _choices(variants, "variants", VARIANTS)
     chosen_tasks = _choices(tasks, "tasks", tuple(TASKS))
-    configs = [recall_config(v, t, s, steps, train_length) for t in chosen_tasks for v in chosen_variants
+    configs = [recall_config(v, t, s, steps, train_length, overrides) for t in chosen_tasks for v in chosen_variants
                for s in range(seeds)]
     dirs = [run_dir / cfg.run_name for cfg in configs]
     with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
         summaries = list(pool.map(train_one, configs, dirs))
     rows = [collect(cfg, summary) for cfg, summary in zip(configs, summaries)]
     typer.echo(f"machine: {describe_machine()}; {steps} steps at {train_length} tokens, batch 32, {seeds} seed(s); "
-               f"sizes {SIZES}")
+               f"sizes {SIZES}" + (f"; changed: {', '.join(overrides)}" if overrides else "; defaults"))
     typer.echo(format_table(rows, chosen_tasks))
     skipped = sum(r["skipped_steps"] for r in rows)
     typer.echo(f"skipped training steps (non-finite loss or gradient), all runs: {skipped}")
     if out is not None:
         out.write_text(json.dumps({
             "command": "titans " + " ".join(sys.argv[1:]), "machine": describe_machine(), "steps": steps,
-            "train_length": train_length, "multiples": list(MULTIPLES), "sizes": SIZES,
+            "train_length": train_length, "multiples": list(MULTIPLES), "sizes": SIZES, "overrides": overrides or [],
             "tasks": {t: {"options": TASKS[t].options, "metric": TASKS[t].metric, "about": TASKS[t].about}
                       for t in chosen_tasks},
             "runs": rows}, indent=1))

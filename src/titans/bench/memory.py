@@ -37,10 +37,12 @@ def _rss_mib() -> float:
 
 
 def _build(impl: str, dim: int, heads: int, depth: int, expansion: int, chunk_size: int) -> torch.nn.Module:
-    if impl == "titans":
+    if impl in ("titans", "titans-paper"):  # the default rule, or the paper's unbounded one (bench stability's RULES)
+        from titans.bench.stability import RULES
         from titans.memory import NeuralMemory
 
-        return NeuralMemory(dim, heads=heads, depth=depth, expansion=expansion, chunk_size=chunk_size)
+        rule = RULES["paper" if impl == "titans-paper" else "ours"]
+        return NeuralMemory(dim, heads=heads, depth=depth, expansion=expansion, chunk_size=chunk_size, **rule)
     from titans_pytorch import NeuralMemory as ReferenceMemory
 
     return ReferenceMemory(
@@ -154,6 +156,22 @@ def format_table(points: list[BenchPoint]) -> str:
             f"{cell(ours, 'peak_mib', '.0f')} | {cell(ref, 'fwd_tok_s', '.0f')} | {cell(ref, 'fwd_bwd_tok_s', '.0f')} | "
             f"{cell(ref, 'peak_mib', '.0f')} | {ratio} |"
         )
+    return "\n".join(lines)
+
+
+def format_rule_cost(points: list[BenchPoint]) -> str:
+    """Markdown: the default rule's throughput against the paper's unbounded rule, where both ran."""
+    by_len: dict[int, dict[str, BenchPoint]] = {}
+    for p in points:
+        by_len.setdefault(p.seq_len, {})[p.impl] = p
+    lines = ["| seq | default rule fwd tok/s | paper rule fwd tok/s | default rule fwd+bwd tok/s "
+             "| paper rule fwd+bwd tok/s | fwd+bwd, default / paper |", "|---:|---:|---:|---:|---:|---:|"]
+    for seq in sorted(by_len):
+        ours, paper = by_len[seq].get("titans"), by_len[seq].get("titans-paper")
+        if not (ours and paper and ours.status == paper.status == "ok"):
+            continue
+        lines.append(f"| {seq} | {ours.fwd_tok_s:.0f} | {paper.fwd_tok_s:.0f} | {ours.fwd_bwd_tok_s:.0f} | "
+                     f"{paper.fwd_bwd_tok_s:.0f} | {ours.fwd_bwd_tok_s / paper.fwd_bwd_tok_s:.3f} |")
     return "\n".join(lines)
 
 

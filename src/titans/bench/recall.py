@@ -39,8 +39,11 @@ MULTIPLES = (1, 4, 8)
 SIZES = {"dim": 64, "depth": 2, "heads": 2, "window": 32, "segment_len": 32}
 
 
-def recall_config(variant: str, task: str, seed: int, steps: int, train_length: int) -> TrainConfig:
-    return load_train_config(data={
+def recall_config(variant: str, task: str, seed: int, steps: int, train_length: int,
+                  overrides: list[str] | None = None) -> TrainConfig:
+    """The run's config; `overrides` (`model.memory_init_eta=0.5`, as `titans train` takes them) change the defaults
+    being measured, to compare a design choice with the default in runs that differ in nothing else."""
+    return load_train_config(overrides=overrides, data={
         "name": f"{variant}-{task}-s{seed}",
         "model": {"variant": variant, **SIZES},
         "task": {"name": task, "options": TASKS[task].options, "train_length": train_length,

@@ -1,0 +1,44 @@
+"""`titans bench stability` at toy sizes: every case runs, the summaries count them, the JSON holds every result."""
+
+import json
+
+from typer.testing import CliRunner
+
+from titans.bench.stability import StreamCase, TrainCase, run_stream, run_training, summarize
+from titans.cli import app
+
+
+def test_bench_stability_end_to_end(tmp_path):
+    out = tmp_path / "stability.json"
+    args = ["bench", "stability", "--tokens", "48", "--train-tokens", "16", "--depths", "1,2", "--activations", "gelu",
+            "--momentum", "on", "--chunk-sizes", "4", "--scales", "1,1000", "--dtypes", "float32", "--train-steps", "2",
+            "--lrs", "0.01", "--workers", "1", "--out", str(out)]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    assert len(data["streams"]) == 2 * 2 * 2 * 2  # rules × depths × scales × gates
+    assert len(data["training"]) == 2 * 2 * 2  # rules × depths × scales
+    assert data["summaries"]["streams"]["ours"]["all"] == "8/8"
+    assert data["summaries"]["training"]["ours"]["all"] == "4/4"
+    assert list(data["summaries"]["streams"]["ours"]) == ["all", "depth=1", "depth=2", "activation=gelu",
+                                                          "momentum=True", "chunk_size=4", "scale=1.0",
+                                                          "scale=1000.0", "gates=init", "gates=worst",
+                                                          "dtype=float32"]
+    assert all(r["tokens"] == 48 for r in data["streams"] if r["finite"])
+    assert "| all | 8/8 |" in result.output
+
+
+def test_worst_gates_run_away_only_under_the_papers_rule():
+    cases = [StreamCase(rule, 2, "gelu", True, 16, 1000.0, "worst", "float32") for rule in ("ours", "paper")]
+    ours, paper = (run_stream(c, tokens=512, train_tokens=0) for c in cases)
+    assert ours.finite and ours.max_state_norm <= 10.0 * (1 + 1e-5)
+    assert not paper.finite and paper.max_state_norm == float("inf") and paper.tokens < 512 + 4096
+    assert summarize([ours, paper], ["depth"]) == {"ours": {"all": "1/1", "depth=2": "1/1"},
+                                                   "paper": {"all": "0/1", "depth=2": "0/1"}}
+
+
+def test_training_sweep_runs_count_steps_and_stop_at_divergence():
+    ours = run_training(TrainCase("ours", 2, 1000.0, 0.1), steps=20)
+    assert ours.finite and ours.steps == 20 and 0 < ours.final_loss < float("inf")
+    paper = run_training(TrainCase("paper", 2, 1000.0, 0.1), steps=20)
+    assert not paper.finite and paper.steps < 20 and paper.final_loss == float("inf")
