@@ -106,7 +106,7 @@ class NeuralMemory(nn.Module):
         checkpoint_chunks: Optional[int] = None,
         init_theta: Optional[float] = None,
         init_eta: float = 0.1,
-        init_alpha: float = 3e-4,
+        init_alpha: float = 1e-5,
         max_grad_norm: Optional[float] = 4.0,
         gradients: Literal["chunk", "token"] = "chunk",
         normalize_inputs: bool = True,

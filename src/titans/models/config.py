@@ -33,7 +33,7 @@ class TitansConfig(Config):
     max_lr: float = 1.0  # θ_max (the bound on the inner step; with unit keys, θ = 0.5 writes a value exactly)
     memory_init_theta: Optional[float] = None  # θ at init; None: 0.2 max_lr
     memory_init_eta: float = 0.1  # momentum η at init (0.5 kept the memory models from learning recall)
-    memory_init_alpha: float = 3e-4  # α at init: the memory keeps ≈ (1 − α)^n of a write after n tokens (74% at 1024)
+    memory_init_alpha: float = 1e-5  # α at init: the memory keeps ≈ (1 − α)^n of a write after n tokens (99% at 1024)
     memory_max_grad_norm: Optional[float] = 4.0  # bound on each token's inner gradient norm (not in the paper)
     memory_max_state_norm: Optional[float] = 10.0  # the bounded state: ‖W_i‖, ‖S_i‖ ≤ this · √d_out (not in the paper)
     memory_normalize_inputs: bool = True  # unit values, gates from RMS-normalised x (not in the paper)
