@@ -89,7 +89,8 @@ def memory(
             for impl, done in runs.items():
                 point = run_point({**spec, "impl": impl, "seq_len": seq}, memory_cap_gib, timeout_s, release_memory)
                 typer.echo(f"{impl:>12} seq {seq:>6}: {point.status}, fwd {point.fwd_tok_s or 0:.0f} tok/s, "
-                           f"fwd+bwd {point.fwd_bwd_tok_s or 0:.0f} tok/s, peak {point.peak_mib or 0:.0f} MiB", err=True)
+                           f"fwd+bwd {point.fwd_bwd_tok_s or 0:.0f} tok/s, peak {point.peak_mib or 0:.0f} MiB",
+                           err=True)
                 done.append(point)
         points.extend(best_of(done) for done in runs.values())
     typer.echo(f"NeuralMemory dim {dim}, heads {heads}, depth {depth}, expansion {expansion}, chunk {chunk_size}, "
@@ -185,7 +186,8 @@ def stability(
                f"pass; {len(streams)} stream cases, {len(trains)} training runs of {train_steps} steps")
     typer.echo(format_summary("streams: finite runs (outputs, states, gradients)", summaries["streams"]))
     for rule in grid.rules:
-        typer.echo(f"{rule}: largest state norm (‖·‖_F / √d_out) of a finite stream: {largest_state(stream_results, rule)}")
+        largest = largest_state(stream_results, rule)
+        typer.echo(f"{rule}: largest state norm (‖·‖_F / √d_out) of a finite stream: {largest}")
     if train_results:
         summaries["training"] = summarize(train_results, ["depth", "scale", "lr"])
         typer.echo(format_summary("training sweep: finite runs (loss, parameters)", summaries["training"]))

@@ -189,7 +189,8 @@ def summarize(results: list, axes: list[str]) -> dict[str, dict[str, str]]:
     def order(key: str) -> int:  # "all", then the axes in the order given, each axis's values as first met
         return 0 if key == "all" else 1 + axes.index(key.split("=")[0])
 
-    return {rule: {key: f"{row[key][0]}/{row[key][1]}" for key in sorted(row, key=order)} for rule, row in table.items()}
+    return {rule: {key: f"{row[key][0]}/{row[key][1]}" for key in sorted(row, key=order)}
+            for rule, row in table.items()}
 
 
 def as_json(results: list) -> list[dict]:

@@ -1,12 +1,15 @@
 """`NeuralMemory`: the long-term memory as a sequence layer (paper §3.1, with the §4.4 projections).
 
-    q_t = l2norm(SiLU(conv(x W_Q)))   k_t = l2norm(SiLU(conv(x W_K)))   v_t = SiLU(conv(x W_V))
-    θ_t = max_lr · sigmoid(x_t w_θ + b_θ)   η_t = sigmoid(x_t w_η + b_η)   α_t = sigmoid(x_t w_α + b_α)
-    memory update and per-token retrieval: `parallel_memory` (DESIGN.md §2)
+    q_t = l2norm(SiLU(conv(x W_Q)))   k_t = l2norm(SiLU(conv(x W_K)))   v_t = l2norm(SiLU(conv(x W_V)))
+    θ_t = max_lr · sigmoid(x̂_t w_θ + b_θ)   η_t = sigmoid(x̂_t w_η + b_η)   α_t = sigmoid(x̂_t w_α + b_α),  x̂ = x / rms(x)
+    memory update and per-token retrieval: `parallel_memory` (DESIGN.md §2), each token's step bounded and the
+        state kept in its ball at every chunk end
     output = W_o (RMSNorm(y) ⊙ SiLU(x W_g))
 
-All projections, gates, convs and the initial memory weights W_0 are ordinary parameters trained by
-the outer loop through the inner updates.
+The normalised v and x̂ and the two bounds are the library's default rule, not the paper's (DESIGN.md §1, "Stable
+by default"; `normalize_inputs=False, max_grad_norm=None, max_state_norm=None` is the paper's). All projections,
+gates, convs and the initial memory weights W_0 are ordinary parameters trained by the outer loop through the inner
+updates.
 """
 
 from __future__ import annotations
@@ -291,7 +294,8 @@ class NeuralMemory(nn.Module):
         v = self._split_heads(F.silu(proj_v))
         if self.normalize_inputs:  # the inner loop sees no scale: unit values like the keys, gates from unit-RMS x
             v = F.normalize(v, dim=-1)
-        gates = self.to_gates(F.rms_norm(x, (self.dim,)) if self.normalize_inputs else x).to(dtype).unflatten(-1, (3, self.heads)).permute(0, 3, 1, 2)  # [B, H, T, 3]
+        gate_input = F.rms_norm(x, (self.dim,)) if self.normalize_inputs else x
+        gates = self.to_gates(gate_input).to(dtype).unflatten(-1, (3, self.heads)).permute(0, 3, 1, 2)  # [B, H, T, 3]
 
         # Continue the unfinished chunk: its pending tokens go first (their outputs are discarded),
         # so every chunk's gradients are taken at the weights it started with, as in one call.

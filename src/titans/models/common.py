@@ -22,7 +22,8 @@ def build_memory(cfg: TitansConfig, **overrides: Any) -> NeuralMemory:
         chunk_size=cfg.chunk_size, max_lr=cfg.max_lr, activation=cfg.memory_activation, momentum=cfg.momentum,
         conv_kernel=cfg.conv_kernel, gate_pooling=cfg.gate_pooling, surprise_gate=cfg.surprise_gate,
         init_theta=cfg.memory_init_theta, init_eta=cfg.memory_init_eta, init_alpha=cfg.memory_init_alpha,
-        max_grad_norm=cfg.memory_max_grad_norm, max_state_norm=cfg.memory_max_state_norm, normalize_inputs=cfg.memory_normalize_inputs,
+        max_grad_norm=cfg.memory_max_grad_norm, max_state_norm=cfg.memory_max_state_norm,
+        normalize_inputs=cfg.memory_normalize_inputs,
     )
     options.update(overrides)
     return NeuralMemory(cfg.dim, **options)

@@ -98,8 +98,8 @@ class KvRecallOptions(TaskOptions):
         if self.num_values < 2:
             raise ValueError(f"num_values must be >= 2, got {self.num_values}")
         if self.vocab <= self.num_keys + self.num_values:
-            raise ValueError(f"vocab ({self.vocab}) must exceed num_keys + num_values ({self.num_keys + self.num_values}) "
-                             "to leave at least one noise token")
+            raise ValueError(f"vocab ({self.vocab}) must exceed num_keys + num_values "
+                             f"({self.num_keys + self.num_values}) to leave at least one noise token")
 
 
 @register

@@ -320,7 +320,8 @@ class Trainer:
         torch.set_rng_state(state["rng"]["cpu"])
         if state["rng"]["cuda"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["rng"]["cuda"])
-        self.step, self.train_seconds, self.skipped_steps = state["step"], state["train_seconds"], state["skipped_steps"]
+        self.step, self.train_seconds = state["step"], state["train_seconds"]
+        self.skipped_steps = state["skipped_steps"]
         self.skips_in_row = state.get("skips_in_row", 0)  # absent from checkpoints written before it was kept
         self.saved_step = self.step
         if self.metrics is not None:
