@@ -191,3 +191,26 @@ def test_release_workspace_then_run_again():
 def test_unknown_implementation_is_named():
     with pytest.raises(ValueError, match="implementation"):
         parallel_memory(*make_inputs(seq=4), implementation="cuda")
+
+
+@pytest.mark.parametrize("depth, seed", [(1, 0), (2, 1), (3, 2)])
+def test_norm_bound_bounds_every_chunk_end_from_above(depth, seed):
+    """The bounded state reads a state's norm only where `_next_norm_bound` says it may reach its ball: that bound must
+    never fall below the true norm, chunk after chunk (here no ball is reached, so the bound only grows)."""
+    from titans.memory.fused import ScanConfig, _block_decays, _chunk_forward, _decays_of, _next_norm_bound, _state_norms
+
+    q, k, v, theta, eta, alpha, weights, momentum = make_inputs(seq=32, depth=depth, seed=seed)
+    flat = [t.reshape(-1, *t.shape[2:]) for t in (q, k, v, theta, eta, alpha)]
+    state = [t.reshape(-1, *t.shape[2:]) for pair in zip(weights, momentum) for t in pair]
+    cfg = ScanConfig(4, "gelu", True, None, 1e6, None, False)
+    blocks = _block_decays(flat[4], flat[5], 4)
+    bound, y = _state_norms(state), torch.empty_like(flat[2])
+    for j in range(8):
+        nxt = [torch.empty_like(t) for t in state]
+        sl = slice(4 * j, 4 * j + 4)
+        dec = _decays_of(blocks, j)
+        cache = _chunk_forward(cfg, state, flat[0][:, sl], flat[1][:, sl], flat[2][:, sl], flat[3][:, sl], dec, y[:, sl],
+                               nxt)
+        bound = _next_norm_bound(cache, dec, bound)
+        assert (bound >= _state_norms(nxt) * (1 - 1e-12)).all()
+        state = nxt

@@ -384,19 +384,52 @@ def _state_numel(state: State) -> int:
     return sum(t.numel() for t in state)
 
 
-def _bound_state(cfg: ScanConfig, state: State, scales: Tensor) -> None:
+def _state_norms(state: State) -> Tensor:
+    """‖·‖_F of every matrix of a state, per row: `[BH, len(state)]`."""
+    return torch.stack([torch.linalg.vector_norm(t, dim=(-2, -1)) for t in state], dim=1)
+
+
+def _quad(gram: Tensor, u: Tensor) -> Tensor:
+    """uᵀ G u per row, for G `[BH, n, n]` and u `[BH, n]`."""
+    return (torch.bmm(gram, u.unsqueeze(-1)).squeeze(-1) * u).sum(-1)
+
+
+def _next_norm_bound(cache: ChunkCache, dec: ChunkDecays, bound: Tensor) -> Tensor:
+    """An upper bound on the norms of a chunk's end state, from one on its start state's, without a pass over the state:
+    W' = β_n W + c_n S − aᵀ(u_w ⊙ δ) and S' = e_n S − aᵀ(u_m ⊙ δ) (β_n, c_n, e_n ≥ 0), with
+    ‖aᵀ(u ⊙ δ)‖²_F = uᵀ((a aᵀ) ⊙ (δ δᵀ)) u from n × n products."""
+    u_w, u_m = cache.C[:, -1, :], cache.theta * dec.E_last
+    beta_n, c_n, e_n = dec.beta[:, -1:], dec.c[:, -1:], dec.e_last.unsqueeze(-1)
+    w, s = bound[:, 0::2], bound[:, 1::2]
+    rank_w, rank_s = [], []
+    for a, delta in zip(cache.a, cache.delta):
+        gram = torch.bmm(a, a.transpose(1, 2)) * torch.bmm(delta, delta.transpose(1, 2))
+        rank_w.append(_quad(gram, u_w))
+        rank_s.append(_quad(gram, u_m))
+    new_w = beta_n * w + c_n * s + torch.stack(rank_w, 1).clamp_min(0).sqrt()
+    new_s = e_n * s + torch.stack(rank_s, 1).clamp_min(0).sqrt()
+    return torch.stack([new_w, new_s], dim=2).flatten(1)  # back to [W_1, S_1, W_2, S_2, …]
+
+
+def _bound_state(cfg: ScanConfig, state: State, scales: Tensor, bound: Tensor) -> Tensor:
     """The bounded state: every matrix of a chunk's end state back on its ball ‖·‖_F ≤ max_state_norm · √d_out, in
-    place; the factors min(1, R / ‖·‖) go to `scales` `[BH, len(state)]`, for the backward pass."""
+    place; the factors min(1, R / ‖·‖) go to `scales` `[BH, len(state)]`, for the backward pass. `bound` (from
+    `_next_norm_bound`) bounds the matrices' norms from above: a matrix is read for its norm only where the bound
+    reaches its ball (almost never), so the rule costs no pass over the state. Returns the bound after the chunk."""
     for i, t in enumerate(state):
-        scales[:, i] = state_norm_scale(t, cfg.max_state_norm).view(-1)
-    if (scales < 1).any():  # almost never: the ball is far larger than any state a working memory reaches
-        for i, t in enumerate(state):
-            t.mul_(scales[:, i].view(-1, 1, 1))
+        limit = cfg.max_state_norm * t.shape[-1] ** 0.5
+        if bool((bound[:, i] > limit * (1 - 1e-3)).any()):  # may be outside: measure, and bring back
+            factor = state_norm_scale(t, cfg.max_state_norm)
+            scales[:, i] = factor.view(-1)
+            bound[:, i] = torch.linalg.vector_norm(t, dim=(-2, -1)).clamp_max(limit)
+            if bool((factor < 1).any()):
+                t.mul_(factor)
+    return bound
 
 
 def _scale_rows(state: State, scales: Tensor) -> None:
-    """The backward pass of `_bound_state` (its factors are constants to the outer gradient): each gradient matrix
-    times its factor, in place."""
+    """Each matrix times its recorded factor, in place: the backward pass of `_bound_state` (its factors are constants
+    to the outer gradient), and its replay when a group of chunks is recomputed."""
     if (scales < 1).any():
         for i, t in enumerate(state):
             t.mul_(scales[:, i].view(-1, 1, 1))
@@ -411,24 +444,29 @@ class Record(NamedTuple):
 
 
 def _run_chunks(cfg: ScanConfig, keep: bool, start: State, chunks: range, q, k, v, theta, blocks: list[ChunkDecays],
-                y: Tensor, slots: list[State], last: Optional[State], scales: Optional[Tensor]):
+                y: Tensor, slots: list[State], last: Optional[State], scales: Optional[Tensor], replay: bool = False):
     """Run `chunks` from `start`: chunk idx ends in `slots[idx % len(slots)]`, the last one in `last` (None: not
-    computed), bounded (`_bound_state`, chunk j's factors into `scales[j]`) where `scales` is given. With `keep`,
-    return what `_backward_chunks` needs (a `Record`), else None."""
+    computed). Where `scales` is given the state is bounded: `_bound_state` writes chunk j's factors into `scales[j]`,
+    or, with `replay` (the backward pass's recomputation), the recorded factors are applied. With `keep`, return what
+    `_backward_chunks` needs (a `Record`), else None."""
     native = _native(q)
     if native is not None:
         record = native.run_chunks(cfg.chunk_size, cfg.activation, cfg.residual, cfg.max_grad_norm, cfg.max_state_norm,
                                    cfg.record, keep, start, chunks.start, chunks.stop, q, k, v, theta,
-                                   [list(b) for b in blocks], y, slots, last or [], scales)
+                                   [list(b) for b in blocks], y, slots, last or [], scales, replay)
         return record if keep else None
     starts, caches, cur = [], [], start
+    bound = _state_norms(start) if scales is not None and not replay else None
     for idx, j in enumerate(chunks):
         s, e = _bounds(j, q.shape[1], cfg.chunk_size)
         nxt = slots[idx % len(slots)] if j + 1 < chunks.stop else last
-        cache = _chunk_forward(cfg, cur, q[:, s:e], k[:, s:e], v[:, s:e], theta[:, s:e], _decays_of(blocks, j),
-                               y[:, s:e], nxt)
+        dec = _decays_of(blocks, j)
+        cache = _chunk_forward(cfg, cur, q[:, s:e], k[:, s:e], v[:, s:e], theta[:, s:e], dec, y[:, s:e], nxt)
         if nxt is not None and scales is not None:
-            _bound_state(cfg, nxt, scales[j])
+            if replay:
+                _scale_rows(nxt, scales[j])
+            else:
+                bound = _bound_state(cfg, nxt, scales[j], _next_norm_bound(cache, dec, bound))
         if keep:
             starts.append(cur)
             caches.append(cache)
@@ -556,7 +594,8 @@ class MemoryScan(torch.autograd.Function):
         for g in range(len(groups) - 1, -1, -1):
             chunks = groups[g]
             record = kept[1] if kept is not None else _run_chunks(cfg, True, boundaries[g], chunks, q, k, v, theta,
-                                                                  blocks, y_scratch, recompute_slots, None, ctx.scales)
+                                                                  blocks, y_scratch, recompute_slots, None, ctx.scales,
+                                                                  replay=True)
             # The first chunk's gradient leaves the function: fresh memory, not the workspace.
             targets = []
             for j in reversed(chunks):

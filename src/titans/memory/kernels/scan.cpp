@@ -299,19 +299,50 @@ Grads chunk_backward(const Config& cfg, const State& state, const Cache& cc, con
   return {d_q, d_k, -d_out, d_theta, {d_beta, d_c, d_D, d_E_last, d_e_n}};
 }
 
-// fused._bound_state: the end state's matrices back on their balls ‖·‖_F ≤ max_state_norm · √d_out, in place, their
-// factors min(1, R / ‖·‖) (mlp.state_norm_scale) into scales [rows, state.size()].
-void bound_state(const Config& cfg, const State& state, const Tensor& scales) {
-  for (size_t i = 0; i < state.size(); ++i) {
-    const double bound = *cfg.max_state_norm * std::sqrt(static_cast<double>(state[i].size(2)));
-    const auto norm = at::linalg_vector_norm(state[i], 2, at::IntArrayRef{1, 2}, false);
-    scales.select(1, i).copy_((norm.reciprocal() * bound).clamp_max(1.0));
-  }
-  if (scales.lt(1).any().item<bool>())
-    for (size_t i = 0; i < state.size(); ++i) state[i].mul_(scales.select(1, i).view({-1, 1, 1}));
+// fused._state_norms: ‖·‖_F of every matrix of a state, per row [rows, state.size()].
+Tensor state_norms(const State& state) {
+  std::vector<Tensor> norms;
+  for (const auto& t : state) norms.push_back(at::linalg_vector_norm(t, 2, at::IntArrayRef{1, 2}, false));
+  return at::stack(norms, 1);
 }
 
-// fused._scale_rows: the backward pass of bound_state, in place.
+Tensor quad(const Tensor& gram, const Tensor& u) {  // uᵀ G u per row
+  return (at::bmm(gram, u.unsqueeze(-1)).squeeze(-1) * u).sum(-1);
+}
+
+// fused._next_norm_bound: an upper bound on the norms of a chunk's end state from one on its start state's.
+Tensor next_norm_bound(const Cache& cc, const Decays& dec, const Tensor& bound) {
+  const auto u_w = cc.C.select(1, -1), u_m = cc.theta * dec.E_last;
+  const auto beta_n = dec.beta.narrow(1, dec.beta.size(1) - 1, 1), c_n = dec.c.narrow(1, dec.c.size(1) - 1, 1);
+  const auto e_n = dec.e_last.unsqueeze(-1);
+  const auto w = bound.slice(1, 0, bound.size(1), 2), s = bound.slice(1, 1, bound.size(1), 2);
+  std::vector<Tensor> rank_w, rank_s;
+  for (size_t i = 0; i < cc.a.size(); ++i) {
+    const auto gram = at::bmm(cc.a[i], cc.a[i].transpose(1, 2)) * at::bmm(cc.delta[i], cc.delta[i].transpose(1, 2));
+    rank_w.push_back(quad(gram, u_w)), rank_s.push_back(quad(gram, u_m));
+  }
+  const auto new_w = beta_n * w + c_n * s + at::stack(rank_w, 1).clamp_min(0).sqrt();
+  const auto new_s = e_n * s + at::stack(rank_s, 1).clamp_min(0).sqrt();
+  return at::stack({new_w, new_s}, 2).flatten(1);
+}
+
+// fused._bound_state: the end state's matrices back on their balls ‖·‖_F ≤ max_state_norm · √d_out, in place, their
+// factors min(1, R / ‖·‖) (mlp.state_norm_scale) into scales [rows, state.size()]; a matrix is read for its norm only
+// where `bound` reaches its ball. Returns the bound after the chunk.
+Tensor bound_state(const Config& cfg, const State& state, const Tensor& scales, Tensor bound) {
+  for (size_t i = 0; i < state.size(); ++i) {
+    const double limit = *cfg.max_state_norm * std::sqrt(static_cast<double>(state[i].size(2)));
+    if (!bound.select(1, i).gt(limit * (1 - 1e-3)).any().item<bool>()) continue;
+    const auto norm = at::linalg_vector_norm(state[i], 2, at::IntArrayRef{1, 2}, false);
+    const auto factor = (norm.reciprocal() * limit).clamp_max(1.0);
+    scales.select(1, i).copy_(factor);
+    bound.select(1, i).copy_(norm.clamp_max(limit));
+    if (factor.lt(1).any().item<bool>()) state[i].mul_(factor.view({-1, 1, 1}));
+  }
+  return bound;
+}
+
+// fused._scale_rows: each matrix times its recorded factor, in place (bound_state's backward pass and replay).
 void scale_rows(const State& state, const Tensor& scales) {
   if (scales.lt(1).any().item<bool>())
     for (size_t i = 0; i < state.size(); ++i) state[i].mul_(scales.select(1, i).view({-1, 1, 1}));
@@ -381,14 +412,14 @@ Config make_config(int64_t chunk_size, const std::string& activation, bool resid
 }
 
 // fused._run_chunks: chunks [j0, j1) from `start`; chunk idx ends in slots[idx % len(slots)], the last one in
-// `last` (empty: not computed), bounded where `scales` is given. With `keep`, returns every chunk's starting state
-// and cache.
+// `last` (empty: not computed), bounded where `scales` is given (the recorded factors applied with `replay`). With
+// `keep`, returns every chunk's starting state and cache.
 std::shared_ptr<Record> run_chunks(int64_t chunk_size, const std::string& activation, bool residual,
                                    c10::optional<double> max_grad_norm, c10::optional<double> max_state_norm,
                                    bool record, bool keep, const State& start, int64_t j0, int64_t j1, const Tensor& q,
                                    const Tensor& k, const Tensor& v, const Tensor& theta, const Blocks& blocks,
                                    const Tensor& y, const std::vector<State>& slots, const State& last,
-                                   const c10::optional<Tensor>& scales) {
+                                   const c10::optional<Tensor>& scales, bool replay) {
   const Config cfg = make_config(chunk_size, activation, residual, max_grad_norm, max_state_norm, record);
   auto rec = std::make_shared<Record>();
   rec->first_chunk = j0;
@@ -400,6 +431,7 @@ std::shared_ptr<Record> run_chunks(int64_t chunk_size, const std::string& activa
     const auto q_ = q.narrow(0, b0, n), k_ = k.narrow(0, b0, n), v_ = v.narrow(0, b0, n);
     const auto theta_ = theta.narrow(0, b0, n), y_ = y.narrow(0, b0, n);
     State cur = rows_of(start, b0, b1);
+    Tensor bound = scales && !replay ? state_norms(cur) : Tensor();
     for (int64_t j = j0; j < j1; ++j) {
       const auto [t0, t1] = chunk_bounds(j, seq, chunk_size);
       const int64_t idx = j - j0;
@@ -408,10 +440,16 @@ std::shared_ptr<Record> run_chunks(int64_t chunk_size, const std::string& activa
         nxt = rows_of(slots[idx % slots.size()], b0, b1);
       else if (!last.empty())
         nxt = rows_of(last, b0, b1);
+      const auto dec = chunk_decays(blocks, j, b0, b1);
       auto cache = chunk_forward(cfg, cur, q_.slice(1, t0, t1), k_.slice(1, t0, t1), v_.slice(1, t0, t1),
-                                 theta_.slice(1, t0, t1), chunk_decays(blocks, j, b0, b1), y_.slice(1, t0, t1),
-                                 nxt.empty() ? nullptr : &nxt);
-      if (!nxt.empty() && scales) bound_state(cfg, nxt, scales->select(0, j).narrow(0, b0, n));
+                                 theta_.slice(1, t0, t1), dec, y_.slice(1, t0, t1), nxt.empty() ? nullptr : &nxt);
+      if (!nxt.empty() && scales) {
+        const auto factors = scales->select(0, j).narrow(0, b0, n);
+        if (replay)
+          scale_rows(nxt, factors);
+        else
+          bound = bound_state(cfg, nxt, factors, next_norm_bound(cache, dec, bound));
+      }
       if (keep) rec->slices[s].push_back({cur, std::move(cache)});
       cur = std::move(nxt);
     }
