@@ -90,6 +90,14 @@ def test_train_eval_generate_and_never_overwrite(tmp_path):
     assert float(lines[1].split()[2]) == pytest.approx(saved["results"]["24"]["accuracy"], abs=1e-4)
     assert saved["split"] is None and saved["skipped_steps"] == 0
     assert lines[-2] == "skipped steps in training (non-finite loss or gradient): 0"
+    bare = tmp_path / "bare"  # weights and config only, as someone might copy a checkpoint
+    bare.mkdir()
+    for name in ("model.safetensors", "config.yaml"):
+        (bare / name).write_bytes((Path(saved["checkpoint"]) / name).read_bytes())
+    result = runner.invoke(app, ["eval", str(bare), "--lengths", "24", "--batches", "1"])
+    assert result.exit_code == 0, result.output
+    assert "skipped steps in training (non-finite loss or gradient): unknown" in result.stdout
+    assert json.loads((bare / "eval_passkey.json").read_text())["skipped_steps"] is None
     assert "has no splits" in one_line_error(runner.invoke(app, ["eval", str(out), "--split", "test"]))
 
     result = runner.invoke(app, ["generate", str(out), "--prompt", "3 4 5", "--max-new-tokens", "5",

@@ -149,12 +149,16 @@ def eval_command(
     batches, batch_size = batches or cfg.eval_batches, batch_size or cfg.eval_batch_size
     results = evaluate(model, eval_task, parse_lengths(lengths) if lengths else cfg.task.eval_lengths,
                        batches, batch_size, seed, device=model_device(model))
-    skipped = load_trainer_state(path)["skipped_steps"]
+    try:  # a checkpoint copied without its trainer state still evaluates; it cannot say how training went
+        skipped = load_trainer_state(path)["skipped_steps"]
+    except ValueError:
+        skipped = None
     names = list(next(iter(results.values())))
     typer.echo(f"{'length':>8} " + " ".join(f"{name:>14}" for name in names))
     for length, metrics in results.items():
         typer.echo(f"{length:>8} " + " ".join(f"{metrics[name]:>14.4f}" for name in names))
-    typer.echo(f"skipped steps in training (non-finite loss or gradient): {skipped}")
+    typer.echo(f"skipped steps in training (non-finite loss or gradient): "
+               f"{skipped if skipped is not None else 'unknown (the checkpoint has no trainer.pt)'}")
     split_name = getattr(eval_task.options, "split", None)
     out = out or default_eval_path(path, eval_task.name, split if split else None, seed)
     out.write_text(json.dumps({"task": eval_task.name, "split": split_name,
