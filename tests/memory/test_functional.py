@@ -226,6 +226,85 @@ def test_bounded_state_holds_whatever_the_gates(implementation):
             assert (norm <= 3.0 * x.shape[-1] ** 0.5 * (1 + 1e-12)).all()
 
 
+@pytest.mark.parametrize(
+    "chunk_size, depth, activation, bounded, group, implementation",
+    [(4, 1, "gelu", False, None, "fused"), (4, 2, "silu", True, None, "fused"), (5, 3, "gelu", True, None, "fused"),
+     (4, 2, "gelu", True, 2, "fused"), (16, 2, "gelu", False, None, "fused"), (4, 1, "gelu", False, None, "autograd"),
+     (5, 2, "silu", True, 2, "autograd"), (16, 3, "gelu", True, None, "autograd")],
+)
+def test_normalized_chunk_step_matches_the_reference(chunk_size, depth, activation, bounded, group, implementation):
+    """The normalised chunk step (each token's step times G_ss / Σ_{r≤t} |G_sr|, a constant to the outer gradient),
+    alone and with both bounds, ragged last chunks (seq 13) and recomputation groups: values and gradients as the
+    token-by-token reference computes them from the gradients themselves."""
+    args = make_inputs(seq=13, depth=depth, requires_grad=True)
+    rule = dict(max_grad_norm=2.0, max_state_norm=0.6) if bounded else {}
+    outs = []
+    for fn in (functools.partial(parallel_memory, implementation=implementation, checkpoint_chunks=group),
+               sequential_memory):
+        y, W, S = fn(*args, chunk_size=chunk_size, activation=activation, normalize_chunk=True, **rule)
+        loss = (y**2).sum() + sum((w**3).sum() for w in W) + sum(s.sum() for s in S)
+        outs.append([y, *W, *S, *torch.autograd.grad(loss, flat(args))])
+    assert max_diff(*outs) <= 1e-10
+    plain = parallel_memory(*args, chunk_size=chunk_size, activation=activation, **rule)[0]
+    assert (plain - outs[0][0]).abs().max() > 1e-3  # the normalisation is active on these inputs
+
+
+def test_normalized_chunk_step_leaves_chunk_size_one_alone():
+    args = make_inputs(seq=9, depth=2)
+    normalized = parallel_memory(*args, chunk_size=1, normalize_chunk=True)
+    plain = parallel_memory(*args, chunk_size=1)
+    assert max_diff([normalized[0], *normalized[1]], [plain[0], *plain[1]]) == 0.0
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_normalized_chunk_of_one_repeated_pair_moves_like_one_token(implementation):
+    """n copies of one (k, v) in a chunk have n equal gradients: each takes 1/n of its step, so (η = α = 0) the chunk
+    moves the memory exactly as one copy alone, where the paper's rule moves it n times as far."""
+    q, k, v, theta, _, _, weights, _ = make_inputs(seq=8, depth=2)
+    repeat = lambda x: x[:, :, :1].expand_as(x).contiguous()  # noqa: E731
+    k, v, theta = repeat(k), repeat(v), repeat(theta)
+    zeros = torch.zeros_like(theta)
+    once = parallel_memory(q[:, :, :1], k[:, :, :1], v[:, :, :1], theta[:, :, :1], zeros[:, :, :1], zeros[:, :, :1],
+                           weights, chunk_size=8, implementation=implementation)
+    chunk = parallel_memory(q, k, v, theta, zeros, zeros, weights, chunk_size=8, normalize_chunk=True,
+                            implementation=implementation)
+    assert max_diff(chunk[1], once[1]) <= 1e-12
+    summed = parallel_memory(q, k, v, theta, zeros, zeros, weights, chunk_size=8, implementation=implementation)
+    steps = [torch.linalg.vector_norm(a - w) for a, w in zip(summed[1], weights)]
+    assert all(torch.isclose(s, 8 * torch.linalg.vector_norm(b - w)) for s, b, w in zip(steps, once[1], weights))
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_normalized_chunk_of_similar_keys_does_not_overshoot(implementation):
+    """A linear memory, a chunk of 16 keys at cosine ~0.8 with their own values, θ = 0.25 (each key alone would halve
+    its error, 1 − 2θ‖k‖²): the paper's sum of the chunk's gradients overshoots, its loss on the chunk's own pairs grows; with the
+    normalised step it falls."""
+    g = torch.Generator().manual_seed(3)
+    common = torch.randn(1, 1, 1, 8, generator=g, dtype=DT)
+    k = F.normalize(common + 0.35 * torch.randn(1, 1, 16, 8, generator=g, dtype=DT), dim=-1)
+    v = F.normalize(torch.randn(1, 1, 16, 8, generator=g, dtype=DT), dim=-1)
+    cos = (k[0, 0] @ k[0, 0].T)[~torch.eye(16, dtype=torch.bool)].mean()
+    assert cos > 0.8
+    theta, zeros = torch.full((1, 1, 16), 0.25, dtype=DT), torch.zeros(1, 1, 16, dtype=DT)
+    weights = (torch.zeros(1, 1, 8, 8, dtype=DT),)
+
+    def loss(W):
+        return ((memory_apply(k, W, residual=False) - v) ** 2).sum().item()
+
+    kwargs = dict(chunk_size=16, residual=False, implementation=implementation)
+    summed = parallel_memory(k, k, v, theta, zeros, zeros, weights, **kwargs)[1]
+    normalized = parallel_memory(k, k, v, theta, zeros, zeros, weights, normalize_chunk=True, **kwargs)[1]
+    assert loss(summed) > loss(weights)
+    assert loss(normalized) < loss(weights)
+
+
+@pytest.mark.parametrize("flag", [1, "yes", None])
+@pytest.mark.parametrize("fn", [parallel_memory, sequential_memory])
+def test_bad_normalize_chunk(flag, fn):
+    with pytest.raises(ValueError, match="normalize_chunk"):
+        fn(*make_inputs(seq=7), normalize_chunk=flag)
+
+
 @pytest.mark.parametrize("bound", [0.0, -1.0, float("inf"), float("nan"), "1", True])
 @pytest.mark.parametrize("fn", [parallel_memory, sequential_memory])
 def test_bad_max_state_norm(bound, fn):

@@ -193,8 +193,8 @@ def test_unknown_implementation_is_named():
         parallel_memory(*make_inputs(seq=4), implementation="cuda")
 
 
-@pytest.mark.parametrize("depth, seed", [(1, 0), (2, 1), (3, 2)])
-def test_norm_bound_bounds_every_chunk_end_from_above(depth, seed):
+@pytest.mark.parametrize("depth, seed, normalize_chunk", [(1, 0, False), (2, 1, False), (3, 2, False), (2, 3, True)])
+def test_norm_bound_bounds_every_chunk_end_from_above(depth, seed, normalize_chunk):
     """The bounded state reads a state's norm only where `_next_norm_bound` says it may reach its ball: that bound must
     never fall below the true norm, chunk after chunk (here no ball is reached, so the bound only grows)."""
     from titans.memory.fused import ScanConfig, _block_decays, _chunk_forward, _decays_of, _next_norm_bound, _state_norms
@@ -202,7 +202,8 @@ def test_norm_bound_bounds_every_chunk_end_from_above(depth, seed):
     q, k, v, theta, eta, alpha, weights, momentum = make_inputs(seq=32, depth=depth, seed=seed)
     flat = [t.reshape(-1, *t.shape[2:]) for t in (q, k, v, theta, eta, alpha)]
     state = [t.reshape(-1, *t.shape[2:]) for pair in zip(weights, momentum) for t in pair]
-    cfg = ScanConfig(4, "gelu", True, None, 1e6, None, False)
+    cfg = ScanConfig(chunk_size=4, activation="gelu", residual=True, max_grad_norm=None, max_state_norm=1e6,
+                     normalize_chunk=normalize_chunk, group_chunks=None, record=False)
     blocks = _block_decays(flat[4], flat[5], 4)
     bound, y = _state_norms(state), torch.empty_like(flat[2])
     for j in range(8):

@@ -16,7 +16,8 @@ OPTION_SETS = {
     "chunk-pooled gates": {"gate_pooling": "chunk"},
     "surprise gate": {"surprise_gate": True},
     "gated deltanet": {"depth": 1, "momentum": False, "residual": False, "gradients": "token", "max_grad_norm": None,
-                       "max_state_norm": None},
+                       "max_state_norm": None, "normalize_chunk": False},
+    "summed chunk step": {"normalize_chunk": False},
     "mini-batch deltanet": {"depth": 1, "momentum": False, "residual": False},
     "depth 3 silu": {"depth": 3, "activation": "silu", "expansion": 2},
     "bounded gradient norm": {"max_grad_norm": 0.5},
@@ -249,7 +250,8 @@ def test_token_gradients_do_not_depend_on_the_chunk_size():
 
 
 @pytest.mark.parametrize("kwargs", [dict(depth=2), dict(momentum=True), dict(surprise_gate=True),
-                                    dict(max_grad_norm=1.0), dict(max_state_norm=1.0), dict(gradients="exact")])
+                                    dict(max_grad_norm=1.0), dict(max_state_norm=1.0), dict(normalize_chunk=True),
+                                    dict(gradients="exact")])
 def test_token_gradients_need_the_delta_rule_configuration(kwargs):
     options = {**OPTION_SETS["gated deltanet"], **kwargs}
     with pytest.raises(ValueError, match="gradients"):

@@ -1,7 +1,7 @@
 """Does the memory stay finite? `titans bench stability`: the inner loop's rule against the paper's, in one run.
 
 Two sweeps, each run with the library's default rule ("ours": unit values, gates from the RMS-normalised input, the
-per-token gradient bound and the bounded state, DESIGN.md §1) and with the paper's unbounded rule ("paper"):
+per-token gradient bound, the bounded state and the normalised chunk step, DESIGN.md §1) and with the paper's unbounded rule ("paper"):
 
 * **streams**: `NeuralMemory` with its defaults but for the swept fields (depth, activation, momentum, chunk size),
   random inputs `randn · scale` streamed through one state, without gradients (test time) and, for the first
@@ -29,7 +29,7 @@ from ..memory import NeuralMemory
 
 RULES = {
     "ours": {},  # the layer's defaults
-    "paper": {"normalize_inputs": False, "max_grad_norm": None, "max_state_norm": None},
+    "paper": {"normalize_inputs": False, "max_grad_norm": None, "max_state_norm": None, "normalize_chunk": False},
 }
 WORST_GATE_LOGITS = (20.0, 20.0, -20.0)  # θ → θ_max, η → 1, α → 0 (the sigmoids saturate)
 

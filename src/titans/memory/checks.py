@@ -53,6 +53,7 @@ def check_memory_args(
     residual: bool,
     max_grad_norm: Optional[float] = None,
     max_state_norm: Optional[float] = None,
+    normalize_chunk: bool = False,
 ) -> Weights:
     """Validate the memory call; return the momentum (zeros when None)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -94,6 +95,8 @@ def check_memory_args(
     if max_state_norm is not None and (isinstance(max_state_norm, bool) or not isinstance(max_state_norm, (int, float))
                                        or not 0 < max_state_norm < float("inf")):
         raise ValueError(f"max_state_norm must be a positive finite number or None, got {max_state_norm!r}")
+    if not isinstance(normalize_chunk, bool):
+        raise ValueError(f"normalize_chunk must be True or False, got {normalize_chunk!r}")
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
     if not isinstance(weights, (tuple, list)) or len(weights) == 0:

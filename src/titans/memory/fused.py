@@ -38,7 +38,15 @@ from torch import Tensor
 
 from .checks import without_autocast
 from .decays import chunk_decays
-from .mlp import ACTIVATION_VJPS, ACTIVATIONS, forward_cached, grad_norm_scale, state_norm_scale, token_grad_sq_norm
+from .mlp import (
+    ACTIVATION_VJPS,
+    ACTIVATIONS,
+    chunk_step_norm,
+    forward_cached,
+    grad_norm_scale,
+    state_norm_scale,
+    token_grad_sq_norm,
+)
 from .state_ops import combine, kernels, xw, xwt
 
 State = list[Tensor]  # [W_1, S_1, W_2, S_2, …], each [BH, d_in, d_out]
@@ -51,6 +59,7 @@ class ScanConfig:
     residual: bool
     max_grad_norm: Optional[float]
     max_state_norm: Optional[float]  # the bounded state (parallel_memory's max_state_norm)
+    normalize_chunk: bool  # the normalised chunk step (parallel_memory's normalize_chunk)
     group_chunks: Optional[int]  # chunks per recomputation group; None: one group, nothing recomputed
     record: bool  # save what the backward pass needs
 
@@ -145,7 +154,9 @@ class ChunkCache(NamedTuple):
     theta: Tensor  # effective θ (after the gradient-norm bound)
     scale: Optional[Tensor]  # the bound's factor min(1, c/‖∇ℓ‖), None without a bound
     sq_norm: Optional[Tensor]  # ‖∇ℓ_t‖²
-    C: Tensor  # C = D diag(θ)
+    norm: Optional[Tensor]  # the normalised chunk step's factors K (C = (D diag(θ)) ⊙ K), None without it
+    C: Tensor  # C = D diag(θ) (⊙ K)
+    u_m: Tensor  # the momentum's coefficients θ ⊙ E[n,:] (⊙ K[n,:])
 
 
 def _chunk_forward(
@@ -174,20 +185,25 @@ def _chunk_forward(
         sq_norm = token_grad_sq_norm(a, delta)
         scale = grad_norm_scale(sq_norm, cfg.max_grad_norm)
         theta = theta * scale
-    C = dec.D * theta.unsqueeze(-2)
+    C, u_m = dec.D * theta.unsqueeze(-2), theta * dec.E_last
+    norm = None
+    if cfg.normalize_chunk:  # token s's step in W_t times K[t,s] (mlp.chunk_step_norm); the end state is row n
+        norm = chunk_step_norm(a, delta)
+        C, u_m = C * norm, u_m * norm[:, -1, :]
     beta, c = dec.beta.unsqueeze(-1), dec.c.unsqueeze(-1)
 
     # Queries at W_t = β_t W⁰ + c_t S⁰ − Σ_s C[t,s] a_sᵀ δ_s, layer by layer (DESIGN.md §2 step 3), and the state after
-    # the chunk, its last row (step 4): W ← β_n W⁰ + c_n S⁰ − aᵀ diag(C[n,:]) δ,  S ← e_n S⁰ − aᵀ diag(θ ⊙ E[n,:]) δ.
+    # the chunk, its last row (step 4): W ← β_n W⁰ + c_n S⁰ − aᵀ diag(C[n,:]) δ,  S ← e_n S⁰ − aᵀ diag(u_m) δ.
     # Both read W⁰ and S⁰: one pass over them (`combine` returns h W⁰, h S⁰ beside the update).
-    u_w, u_m = C[:, -1, :].unsqueeze(-1), (theta * dec.E_last).unsqueeze(-1)
+    u_w = C[:, -1, :].unsqueeze(-1)
+    u_m_col = u_m.unsqueeze(-1)
     h_list, hW, hS, r_list, h_a, C_h_a = [], [], [], [], [], []
     h = q
     for i in range(depth):
         h_list.append(h)
         if new_state is not None:
             reads = combine(new_state[2 * i], W[i], dec.beta[:, -1], a[i], u_w * delta[i], -1.0, S=S[i],
-                            c=dec.c[:, -1], out2=new_state[2 * i + 1], e=dec.e_last, G2=u_m * delta[i], x=h)
+                            c=dec.c[:, -1], out2=new_state[2 * i + 1], e=dec.e_last, G2=u_m_col * delta[i], x=h)
             hW.append(reads.xW)
             hS.append(reads.xS)
         else:
@@ -204,7 +220,7 @@ def _chunk_forward(
         torch.add(q, h, out=y_out)
     else:
         y_out.copy_(h)
-    return ChunkCache(a, p, m, delta, dsigma, h_list, hW, hS, r_list, h_a, C_h_a, theta, scale, sq_norm, C)
+    return ChunkCache(a, p, m, delta, dsigma, h_list, hW, hS, r_list, h_a, C_h_a, theta, scale, sq_norm, norm, C, u_m)
 
 
 # --- one chunk, backward -----------------------------------------------------------------------------
@@ -236,9 +252,9 @@ def _chunk_backward(
     dW_new, dS_new = d_new[0::2], d_new[1::2]
     dW, dS = d_state[0::2], d_state[1::2]
     a, p, m, delta, h, hW, hS, r = cache.a, cache.p, cache.m, cache.delta, cache.h, cache.hW, cache.hS, cache.r
-    C, th = cache.C, cache.theta
+    C, th, u_m = cache.C, cache.theta, cache.u_m
     depth = len(W)
-    u_w, u_m = C[:, -1, :], th * dec.E_last
+    u_w = C[:, -1, :]
 
     # 1–2. State update and queries, last layer first. Per layer, one pass over ∂W', ∂S', W, S (`combine`) gives
     # every product of this part with them:
@@ -292,8 +308,12 @@ def _chunk_backward(
         else:
             d_q += d_h
 
-    # 3. θ: C = D diag(θ), u_w = C[n,:], u_m = θ ⊙ E[n,:], θ = θ_raw · min(1, c/‖∇ℓ‖).
+    # 3. θ: C = D diag(θ) (⊙ K), u_w = C[n,:], u_m = θ ⊙ E[n,:] (⊙ K[n,:]), θ = θ_raw · min(1, c/‖∇ℓ‖); K is a
+    # constant to the outer gradient, so it only scales what reaches D, E and θ.
     d_C[:, -1, :] += d_u_w
+    if cache.norm is not None:
+        d_C = d_C * cache.norm
+        d_u_m = d_u_m * cache.norm[:, -1, :]
     d_th = (d_C * dec.D).sum(-2) + d_u_m * dec.E_last
     d_D = d_C * th.unsqueeze(-2)
     d_E_last = d_u_m * th
@@ -398,7 +418,7 @@ def _next_norm_bound(cache: ChunkCache, dec: ChunkDecays, bound: Tensor) -> Tens
     """An upper bound on the norms of a chunk's end state, from one on its start state's, without a pass over the state:
     W' = β_n W + c_n S − aᵀ(u_w ⊙ δ) and S' = e_n S − aᵀ(u_m ⊙ δ) (β_n, c_n, e_n ≥ 0), with
     ‖aᵀ(u ⊙ δ)‖²_F = uᵀ((a aᵀ) ⊙ (δ δᵀ)) u from n × n products."""
-    u_w, u_m = cache.C[:, -1, :], cache.theta * dec.E_last
+    u_w, u_m = cache.C[:, -1, :], cache.u_m
     beta_n, c_n, e_n = dec.beta[:, -1:], dec.c[:, -1:], dec.e_last.unsqueeze(-1)
     w, s = bound[:, 0::2], bound[:, 1::2]
     rank_w, rank_s = [], []
@@ -452,7 +472,7 @@ def _run_chunks(cfg: ScanConfig, keep: bool, start: State, chunks: range, q, k, 
     native = _native(q)
     if native is not None:
         record = native.run_chunks(cfg.chunk_size, cfg.activation, cfg.residual, cfg.max_grad_norm, cfg.max_state_norm,
-                                   cfg.record, keep, start, chunks.start, chunks.stop, q, k, v, theta,
+                                   cfg.normalize_chunk, cfg.record, keep, start, chunks.start, chunks.stop, q, k, v, theta,
                                    [list(b) for b in blocks], y, slots, last or [], scales, replay)
         return record if keep else None
     starts, caches, cur = [], [], start

@@ -6,10 +6,10 @@
         state kept in its ball at every chunk end
     output = W_o (RMSNorm(y) ⊙ SiLU(x W_g))
 
-The normalised v and x̂ and the two bounds are the library's default rule, not the paper's (DESIGN.md §1, "Stable
-by default"; `normalize_inputs=False, max_grad_norm=None, max_state_norm=None` is the paper's). All projections,
-gates, convs and the initial memory weights W_0 are ordinary parameters trained by the outer loop through the inner
-updates.
+The normalised v and x̂, the two bounds and the normalised chunk step are the library's default rule, not the
+paper's (DESIGN.md §1, "Stable by default"; `normalize_inputs=False, max_grad_norm=None, max_state_norm=None,
+normalize_chunk=False` is the paper's). All projections, gates, convs and the initial memory weights W_0 are
+ordinary parameters trained by the outer loop through the inner updates.
 """
 
 from __future__ import annotations
@@ -83,10 +83,13 @@ class NeuralMemory(nn.Module):
             (see `parallel_memory`); None: unbounded, as in the paper.
         max_grad_norm: bound on each token's inner gradient norm (θ_t scaled by min(1, c / ‖∇ℓ_t‖), see
             `parallel_memory`); None: the paper's unbounded step.
+        normalize_chunk: the normalised chunk step: tokens of a chunk whose gradients overlap share one step instead
+            of each taking its own (see `parallel_memory`); False: the paper's sum of the chunk's gradients.
         gradients: where each token's inner gradient is taken: "chunk" (at its chunk's starting weights, the
             paper's parallelisable mini-batch form) or "token" (at the weights the previous token left: exact
             online gradient descent, the gated delta rule; needs depth=1, momentum=False, no surprise gate
-            and no max_grad_norm; chunk_size then sets only the cost, see `delta.py`).
+            and none of max_grad_norm, max_state_norm, normalize_chunk; chunk_size then sets only the cost, see
+            `delta.py`).
         checkpoint_chunks: chunks per recomputation group in training. None (default) chooses: every
             chunk's state is kept up to 64 chunks, beyond that groups of ⌈√chunks⌉ chunks are recomputed in the
             backward pass, so training holds O(√T) states instead of one per chunk; 0 disables it.
@@ -114,6 +117,7 @@ class NeuralMemory(nn.Module):
         gradients: Literal["chunk", "token"] = "chunk",
         normalize_inputs: bool = True,
         max_state_norm: Optional[float] = 10.0,
+        normalize_chunk: bool = True,
     ):
         super().__init__()
         if dim < 1 or heads < 1 or dim % heads:
@@ -144,17 +148,18 @@ class NeuralMemory(nn.Module):
         if max_state_norm is not None and not 0 < max_state_norm < float("inf"):
             raise ValueError(f"max_state_norm must be a positive finite number or None, got {max_state_norm}")
         if gradients == "token" and (depth != 1 or momentum or surprise_gate or max_grad_norm is not None
-                                     or max_state_norm is not None):
+                                     or max_state_norm is not None or normalize_chunk):
             raise ValueError("gradients='token' (the exact delta rule) needs depth=1, momentum=False, "
-                             "surprise_gate=False, max_grad_norm=None and max_state_norm=None, got "
-                             f"depth={depth}, momentum={momentum}, surprise_gate={surprise_gate}, "
-                             f"max_grad_norm={max_grad_norm}, max_state_norm={max_state_norm}")
+                             "surprise_gate=False, max_grad_norm=None, max_state_norm=None and normalize_chunk=False, "
+                             f"got depth={depth}, momentum={momentum}, surprise_gate={surprise_gate}, "
+                             f"max_grad_norm={max_grad_norm}, max_state_norm={max_state_norm}, "
+                             f"normalize_chunk={normalize_chunk}")
         self.dim, self.heads, self.head_dim = dim, heads, dim // heads
         self.depth, self.chunk_size, self.max_lr = depth, chunk_size, max_lr
         self.activation, self.use_momentum, self.residual = activation, momentum, residual
         self.gate_pooling, self.surprise_gate, self.checkpoint_chunks = gate_pooling, surprise_gate, checkpoint_chunks
         self.max_grad_norm, self.max_state_norm = max_grad_norm, max_state_norm
-        self.gradients, self.normalize_inputs = gradients, normalize_inputs
+        self.gradients, self.normalize_inputs, self.normalize_chunk = gradients, normalize_inputs, normalize_chunk
 
         self.to_qkv = nn.Linear(dim, 3 * dim, bias=False)  # W_Q, W_K, W_V
         self.conv = CausalDepthwiseConv(3 * dim, conv_kernel)
@@ -275,7 +280,7 @@ class NeuralMemory(nn.Module):
             q, k, v, theta, eta, alpha, weights, momentum,
             chunk_size=self.chunk_size, activation=self.activation, residual=self.residual,
             checkpoint_chunks=self._checkpoint_group(k.shape[2]), max_grad_norm=self.max_grad_norm,
-            max_state_norm=self.max_state_norm,
+            max_state_norm=self.max_state_norm, normalize_chunk=self.normalize_chunk,
         )
 
     # -------------------------------------------------------------------------------------- forward

@@ -113,6 +113,24 @@ def token_grad_sq_norm(inputs: list[Tensor], deltas: list[Tensor]) -> Tensor:
     return sum((a * a).sum(-1) * (d * d).sum(-1) for a, d in zip(inputs, deltas))
 
 
+def chunk_step_norm(inputs: list[Tensor], deltas: list[Tensor]) -> Tensor:
+    """K[t, s] = G_ss / Σ_{r≤t} |G_sr| for s ≤ t (0 above the diagonal), G[s, r] = ⟨∇ℓ_s, ∇ℓ_r⟩: the factor on token s's
+    step in the weights W_t of a chunk's token t under the normalised chunk step (DESIGN.md §1, "Stable by default").
+
+    All of a chunk's gradients are taken at its starting weights, so n tokens whose gradients point the same way move
+    the memory n times as far as one would; the factor shares each token's step among the earlier gradients of its
+    chunk that overlap it (n equal gradients: 1/n each; orthogonal ones: 1). The step matrix G diag(K[t,:]) then has
+    no eigenvalue above max_s ‖∇ℓ_s‖² (Gershgorin on diag(K) G, whose row s sums to G_ss in absolute value): a chunk
+    moves the memory no further along any direction than its largest single-token step. Prefix sums keep it causal.
+    G comes from n × n products (token s's gradient for layer i is a_sᵀ δ_s, so G = Σ_i (a_i a_iᵀ) ⊙ (δ_i δ_iᵀ)); the
+    factor is a constant to the outer gradient, like the bounds."""
+    with torch.no_grad():
+        gram = sum((a @ a.transpose(-1, -2)) * (d @ d.transpose(-1, -2)) for a, d in zip(inputs, deltas))
+        overlap = gram.abs().cumsum(-1)  # [s, t] = Σ_{r≤t} |G_sr| ≥ G_ss for t ≥ s
+        own = gram.diagonal(dim1=-2, dim2=-1).unsqueeze(-1)
+        return (own / overlap.clamp_min(torch.finfo(gram.dtype).tiny)).transpose(-1, -2).tril()
+
+
 def grad_norm_scale(sq_norm: Tensor, max_grad_norm: float | None) -> Tensor | float:
     """min(1, c / ‖∇ℓ_t‖) from the squared norm: the factor that bounds token t's step to θ_t · c.
 

@@ -13,7 +13,7 @@ the gradients are taken (at W⁰, as the paper's mini-batch gradient descent pre
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -26,11 +26,20 @@ from .mlp import (
     ACTIVATIONS,
     Weights,
     backward_deltas,
+    chunk_step_norm,
     forward_cached,
     grad_norm_scale,
     state_norm_scale,
     token_grad_sq_norm,
 )
+
+
+class Rule(NamedTuple):
+    """What the step adds to the paper's rule (`parallel_memory`'s arguments of the same names)."""
+
+    max_grad_norm: Optional[float]
+    max_state_norm: Optional[float]
+    normalize_chunk: bool
 
 
 def _flat3(t: Tensor) -> Tensor:
@@ -47,7 +56,7 @@ def _chunk_step(
     start: int,
     activation: str,
     residual: bool,
-    max_grad_norm: Optional[float],
+    rule: Rule,
 ) -> tuple[Tensor, Weights]:
     """One chunk: outputs y_t = M(q_t; W_t) for every token, and the state after the chunk.
 
@@ -61,9 +70,14 @@ def _chunk_step(
     if not isinstance(theta, Tensor):  # surprise-gated θ: the reconstruction error at W⁰
         theta = theta(((out - v) ** 2).sum(-1), start, start + k.shape[2])
     deltas = backward_deltas(out, v, W0, preacts, activation)
-    if max_grad_norm is not None:
-        theta = theta * grad_norm_scale(token_grad_sq_norm(inputs, deltas), max_grad_norm)
+    if rule.max_grad_norm is not None:
+        theta = theta * grad_norm_scale(token_grad_sq_norm(inputs, deltas), rule.max_grad_norm)
     C = decays.B @ (decays.E * theta.unsqueeze(-2))  # C[t,s] = Σ_r B[t,r] E[r,s] θ_s
+    momentum_coef = -(theta * decays.E[..., -1, :])
+    if rule.normalize_chunk:  # token s's step in W_t times K[t,s]; the end state is row n
+        norm = chunk_step_norm(inputs, deltas)
+        C = C * norm
+        momentum_coef = momentum_coef * norm[..., -1, :]
     beta, c = decays.beta.unsqueeze(-1), decays.c.unsqueeze(-1)
 
     # Retrieval, layer by layer (step 3): z_i = diag(β) h W⁰ + diag(c) h S⁰ − (C ⊙ h aᵀ) δ_i.
@@ -79,7 +93,7 @@ def _chunk_step(
     # State after the chunk (step 4), the last row of the same matrices:
     #   W ← β_n W⁰ + c_n S⁰ − aᵀ diag(C[n,:]) δ      S ← e_n S⁰ − aᵀ diag(θ ⊙ E[n,:]) δ
     weight_coef = -C[..., -1, :].unsqueeze(-1)
-    momentum_coef = -(theta * decays.E[..., -1, :]).unsqueeze(-1)
+    momentum_coef = momentum_coef.unsqueeze(-1)
     beta_n, c_n, e_n = (x[..., -1] for x in (decays.beta, decays.c, decays.e))
     mix = torch.stack([beta_n, c_n, torch.zeros_like(e_n), e_n], dim=-1).view(-1, 2, 2)
     WS_new = []
@@ -116,10 +130,9 @@ def _run_chunks(
     chunk_size: int,
     activation: str,
     residual: bool,
-    bounds: tuple[Optional[float], Optional[float]],
+    rule: Rule,
 ) -> tuple[Tensor, Weights]:
-    """Process q/k/v (a whole number of chunks, or one ragged chunk) chunk after chunk; `bounds` is
-    (max_grad_norm, max_state_norm)."""
+    """Process q/k/v (a whole number of chunks, or one ragged chunk) chunk after chunk."""
     seq = k.shape[2]
     n = min(chunk_size, seq)
     chunks = seq // n
@@ -133,21 +146,21 @@ def _run_chunks(
         step_theta = theta_chunks[:, :, j] if isinstance(theta, Tensor) else theta
         y, WS = _chunk_step(
             WS, q[:, :, sl], k[:, :, sl], v[:, :, sl], step_theta, step_decays, offset + j * n, activation, residual,
-            bounds[0],
+            rule,
         )
-        WS = _bound_state(WS, bounds[1])
+        WS = _bound_state(WS, rule.max_state_norm)
         outputs.append(y)
     return torch.cat(outputs, dim=2), WS
 
 
 def _fused_memory(q, k, v, theta, eta, alpha, weights, momentum, chunk_size, activation, residual,
-                  checkpoint_chunks, bounds) -> tuple[Tensor, Weights, Weights]:
+                  checkpoint_chunks, rule: Rule) -> tuple[Tensor, Weights, Weights]:
     """`parallel_memory` through `fused.MemoryScan`, which works on `[batch·heads, …]` contiguous tensors."""
     batch, heads = k.shape[:2]
     inputs = [t.reshape(batch * heads, *t.shape[2:]).contiguous() for t in (q, k, v, theta, eta, alpha)]
     state = [t.reshape(batch * heads, *t.shape[2:]).contiguous() for pair in zip(weights, momentum) for t in pair]
     record = torch.is_grad_enabled() and any(t.requires_grad for t in inputs + state)
-    cfg = ScanConfig(chunk_size, activation, residual, bounds[0], bounds[1], checkpoint_chunks, record)
+    cfg = ScanConfig(chunk_size, activation, residual, *rule, checkpoint_chunks, record)
     y, *final = MemoryScan.apply(cfg, *inputs, *state)
     final = [t.view(batch, heads, *t.shape[1:]) for t in final]
     return y.view(batch, heads, *y.shape[1:]), tuple(final[0::2]), tuple(final[1::2])
@@ -169,6 +182,7 @@ def parallel_memory(
     checkpoint_chunks: Optional[int] = None,
     max_grad_norm: Optional[float] = None,
     max_state_norm: Optional[float] = None,
+    normalize_chunk: bool = False,
     implementation: str = "fused",
 ) -> tuple[Tensor, Weights, Weights]:
     """Run the Titans memory over a sequence; return (y, weights after the last token, momentum).
@@ -192,6 +206,11 @@ def parallel_memory(
             and S_i are scaled back, per batch and head, onto the ball ‖·‖_F ≤ max_state_norm · √d_out (the default
             initialisation has ‖W_i‖_F ≈ √d_out), the scale being a constant to the outer gradient. Not in the
             paper; with it no input or gate can make the state grow without bound. None: no bound.
+        normalize_chunk: the normalised chunk step: token s's step in the weights W_t of its chunk's token t is scaled by
+            K[t,s] = G_ss / Σ_{r≤t} |G_sr|, G the Gram matrix of the chunk's per-token gradients (all taken at the
+            chunk's starting weights, `mlp.chunk_step_norm`), so tokens whose gradients overlap share one step instead
+            of each taking its own. A constant to the outer gradient; causal; chunk size 1 is unchanged. Not in the
+            paper; without it a chunk of similar keys overshoots its own targets (DESIGN.md §1).
         checkpoint_chunks: when autograd is recording, recompute groups of this many chunks in the backward
             pass so memory holds one state per group instead of per chunk. None: no recomputation.
         implementation: "fused" (default; `fused.py`: hand-written backward, reused buffers) or "autograd"
@@ -202,8 +221,8 @@ def parallel_memory(
     kept in the dtype of `weights` (use float32 there even when q/k/v are bf16).
     """
     momentum = check_memory_args(q, k, v, theta, eta, alpha, weights, momentum, chunk_size, activation, residual,
-                                 max_grad_norm, max_state_norm)
-    bounds = (max_grad_norm, max_state_norm)
+                                 max_grad_norm, max_state_norm, normalize_chunk)
+    rule = Rule(max_grad_norm, max_state_norm, normalize_chunk)
     if checkpoint_chunks is not None and (not isinstance(checkpoint_chunks, int) or checkpoint_chunks < 1):
         raise ValueError(f"checkpoint_chunks must be a positive integer or None, got {checkpoint_chunks!r}")
     if implementation not in ("fused", "autograd"):
@@ -216,7 +235,7 @@ def parallel_memory(
     eta, alpha = eta.to(state_dtype), alpha.to(state_dtype)
     if implementation == "fused" and isinstance(theta, Tensor) and k.shape[2] > 0:
         y, W, S = _fused_memory(q, k, v, theta, eta, alpha, weights, momentum, chunk_size, activation, residual,
-                                checkpoint_chunks, bounds)
+                                checkpoint_chunks, rule)
         return y.to(out_dtype), W, S
     WS = tuple(torch.cat([w, s], dim=-2) for w, s in zip(weights, momentum))  # state stacked [W; S]
 
@@ -234,7 +253,7 @@ def parallel_memory(
         sl = slice(start, end)
         th = theta[:, :, sl] if isinstance(theta, Tensor) else theta
         return _run_chunks(WS, q[:, :, sl], k[:, :, sl], v[:, :, sl], th, eta[:, :, sl], alpha[:, :, sl], start,
-                           chunk_size, activation, residual, bounds)
+                           chunk_size, activation, residual, rule)
 
     outputs = []
     for start, end in pieces:

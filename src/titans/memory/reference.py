@@ -31,10 +31,11 @@ def sequential_memory(
     residual: bool = True,
     max_grad_norm: Optional[float] = None,
     max_state_norm: Optional[float] = None,
+    normalize_chunk: bool = False,
 ) -> tuple[Tensor, Weights, Weights]:
     """Same contract as `parallel_memory`, computed token by token."""
     momentum = check_memory_args(q, k, v, theta, eta, alpha, weights, momentum, chunk_size, activation, residual,
-                                 max_grad_norm, max_state_norm)
+                                 max_grad_norm, max_state_norm, normalize_chunk)
     out_dtype, state_dtype = q.dtype, weights[0].dtype
     q, k, v = (t.to(state_dtype) for t in (q, k, v))
 
@@ -55,14 +56,35 @@ def sequential_memory(
         else:
             surprise = ((memory_apply(k[:, :, start:end], W_start, activation, residual) - v[:, :, start:end]) ** 2).sum(-1)
             theta_chunk = theta(surprise, start, end)
+        grads, steps = [], []
         for t in range(start, end):
-            grads = token_grad(W_start, k[:, :, t : t + 1], v[:, :, t : t + 1])
-            sq_norm = sum((g**2).sum((-1, -2)) for g in grads)  # ‖∇ℓ_t‖² over all layers, [b, h]
-            theta_t = (theta_chunk[:, :, t - start] * grad_norm_scale(sq_norm, max_grad_norm))[:, :, None, None]
-            eta_t = eta[:, :, t, None, None]
-            keep_t = 1.0 - alpha[:, :, t, None, None]
-            S = tuple(eta_t * s - theta_t * g for s, g in zip(S, grads))  # eq. 12: S_t = η_t S_{t-1} − θ_t ∇ℓ_t
-            W = tuple(keep_t * w + s for w, s in zip(W, S))  # eq. 13: W_t = (1 − α_t) W_{t-1} + S_t
+            g = token_grad(W_start, k[:, :, t : t + 1], v[:, :, t : t + 1])
+            sq_norm = sum((x**2).sum((-1, -2)) for x in g)  # ‖∇ℓ_t‖² over all layers, [b, h]
+            grads.append(g)
+            steps.append(theta_chunk[:, :, t - start] * grad_norm_scale(sq_norm, max_grad_norm))
+        # The normalised chunk step: token s's step in W_t times G_ss / Σ_{r≤t} |G_sr| (a constant to the outer
+        # gradient), G the Gram matrix of the chunk's gradients, here from the gradients themselves.
+        if normalize_chunk:
+            gram = torch.stack([torch.stack([sum((x * y).sum((-1, -2)) for x, y in zip(g_s, g_r)) for g_r in grads], -1)
+                                for g_s in grads], -2).detach()  # [b, h, s, r]
+        W_chunk, S_chunk = W, S
+        for t in range(start, end):
+            if normalize_chunk:  # W_t: the chunk's tokens up to t, replayed with the factors of row t
+                W, S = W_chunk, S_chunk
+                first = start
+            else:  # one more token on the running state
+                first = t
+            for s_ in range(first, t + 1):
+                step = steps[s_ - start]
+                if normalize_chunk:
+                    i = s_ - start
+                    overlap = gram[:, :, i, : t - start + 1].abs().sum(-1)
+                    step = step * torch.where(overlap > 0, gram[:, :, i, i] / overlap, torch.zeros_like(overlap))
+                theta_t = step[:, :, None, None]
+                eta_t = eta[:, :, s_, None, None]
+                keep_t = 1.0 - alpha[:, :, s_, None, None]
+                S = tuple(eta_t * m - theta_t * g for m, g in zip(S, grads[s_ - start]))  # eq. 12
+                W = tuple(keep_t * w + m for w, m in zip(W, S))  # eq. 13: W_t = (1 − α_t) W_{t-1} + S_t
             outputs.append(memory_apply(q[:, :, t : t + 1], W, activation, residual))  # eq. 15: y_t = M(q_t; W_t)
         if max_state_norm is not None:  # the bounded state: W and S back on their balls at the chunk's end
             W = tuple(w * state_norm_scale(w, max_state_norm) for w in W)

@@ -23,7 +23,7 @@ def build_memory(cfg: TitansConfig, **overrides: Any) -> NeuralMemory:
         conv_kernel=cfg.conv_kernel, gate_pooling=cfg.gate_pooling, surprise_gate=cfg.surprise_gate,
         init_theta=cfg.memory_init_theta, init_eta=cfg.memory_init_eta, init_alpha=cfg.memory_init_alpha,
         max_grad_norm=cfg.memory_max_grad_norm, max_state_norm=cfg.memory_max_state_norm,
-        normalize_inputs=cfg.memory_normalize_inputs,
+        normalize_inputs=cfg.memory_normalize_inputs, normalize_chunk=cfg.memory_normalize_chunk,
     )
     options.update(overrides)
     return NeuralMemory(cfg.dim, **options)

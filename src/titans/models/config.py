@@ -37,6 +37,7 @@ class TitansConfig(Config):
     memory_max_grad_norm: Optional[float] = 4.0  # bound on each token's inner gradient norm (not in the paper)
     memory_max_state_norm: Optional[float] = 10.0  # the bounded state: ‖W_i‖, ‖S_i‖ ≤ this · √d_out (not in the paper)
     memory_normalize_inputs: bool = True  # unit values, gates from RMS-normalised x (not in the paper)
+    memory_normalize_chunk: bool = True  # a chunk's overlapping gradients share one step (not in the paper)
     memory_activation: Literal["gelu", "silu"] = "gelu"  # paper: GELU
     momentum: bool = True  # η (past surprise); gated_deltanet always runs without
     gate_pooling: Literal["token", "chunk"] = "token"

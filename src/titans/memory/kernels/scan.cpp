@@ -16,6 +16,7 @@
 #include <ATen/ThreadLocalState.h>
 
 #include <cmath>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <string>
@@ -33,6 +34,7 @@ struct Config {
   bool residual;
   std::optional<double> max_grad_norm;
   std::optional<double> max_state_norm;
+  bool normalize_chunk;  // the normalised chunk step (fused.ScanConfig.normalize_chunk)
   bool record;  // the backward pass follows: keep σ'(p_i) (fused.ScanConfig.record)
 };
 
@@ -137,7 +139,7 @@ Tensor sigma_grad2(const Config& cfg, const Tensor& z) {
 // fused.ChunkCache
 struct Cache {
   std::vector<Tensor> a, p, m, delta, dsigma, h, hW, hS, r, h_a, C_h_a;
-  Tensor theta, scale, sq_norm, C;
+  Tensor theta, scale, sq_norm, norm, C, u_m;  // norm: undefined without the normalised chunk step
 };
 
 // fused._chunk_forward: y_t into y_out and, unless new_state is null, the state after the chunk.
@@ -173,8 +175,21 @@ Cache chunk_forward(const Config& cfg, const State& state, const Tensor& q, cons
   }
   cc.theta = theta;
   cc.C = dec.D * theta.unsqueeze(-2);
+  cc.u_m = theta * dec.E_last;
+  if (cfg.normalize_chunk) {  // mlp.chunk_step_norm: K[t,s] = G_ss / Σ_{r≤t} |G_sr| for s ≤ t
+    Tensor gram = at::zeros_like(cc.C);
+    for (size_t i = 0; i < depth; ++i)
+      gram += at::bmm(cc.a[i], cc.a[i].transpose(1, 2)) * at::bmm(cc.delta[i], cc.delta[i].transpose(1, 2));
+    const auto overlap = gram.abs().cumsum(-1);
+    const auto own = gram.diagonal(0, -2, -1).unsqueeze(-1);
+    const double tiny = gram.scalar_type() == at::kFloat ? std::numeric_limits<float>::min()
+                                                         : std::numeric_limits<double>::min();
+    cc.norm = (own / overlap.clamp_min(tiny)).transpose(-1, -2).tril();
+    cc.C = cc.C * cc.norm;
+    cc.u_m = cc.u_m * cc.norm.select(1, -1);
+  }
   const auto beta = dec.beta.unsqueeze(-1), c = dec.c.unsqueeze(-1);
-  const auto u_w = cc.C.select(1, -1).unsqueeze(-1), u_m = (theta * dec.E_last).unsqueeze(-1);
+  const auto u_w = cc.C.select(1, -1).unsqueeze(-1), u_m = cc.u_m.unsqueeze(-1);
   // Queries at W_t, layer by layer, and the state after the chunk (DESIGN.md §2 steps 3–4), one pass over W⁰, S⁰.
   h = q;
   for (size_t i = 0; i < depth; ++i) {
@@ -213,8 +228,8 @@ struct Grads {
 Grads chunk_backward(const Config& cfg, const State& state, const Cache& cc, const Tensor& theta, const Decays& dec,
                      const Tensor& dy, const State& d_new, const State& d_state) {
   const size_t depth = state.size() / 2;
-  const auto &C = cc.C, &th = cc.theta;
-  const auto u_w = C.select(1, -1), u_m = th * dec.E_last;
+  const auto &C = cc.C, &th = cc.theta, &u_m = cc.u_m;
+  const auto u_w = C.select(1, -1);
   auto d_u_w = at::zeros_like(u_w), d_u_m = at::zeros_like(u_m);
   auto d_c_n = at::zeros_like(dec.e_last), d_e_n = at::zeros_like(dec.e_last);
   auto d_beta = at::zeros_like(dec.beta), d_c = at::zeros_like(dec.c), d_C = at::zeros_like(C);
@@ -256,6 +271,10 @@ Grads chunk_backward(const Config& cfg, const State& state, const Cache& cc, con
   }
   // 3. θ.
   d_C.select(1, -1).add_(d_u_w);
+  if (cc.norm.defined()) {  // K is a constant to the outer gradient
+    d_C *= cc.norm;
+    d_u_m *= cc.norm.select(1, -1);
+  }
   const auto d_th = (d_C * dec.D).sum(-2) + d_u_m * dec.E_last;
   const auto d_D = d_C * th.unsqueeze(-2);
   const auto d_E_last = d_u_m * th;
@@ -312,7 +331,7 @@ Tensor quad(const Tensor& gram, const Tensor& u) {  // uᵀ G u per row
 
 // fused._next_norm_bound: an upper bound on the norms of a chunk's end state from one on its start state's.
 Tensor next_norm_bound(const Cache& cc, const Decays& dec, const Tensor& bound) {
-  const auto u_w = cc.C.select(1, -1), u_m = cc.theta * dec.E_last;
+  const auto u_w = cc.C.select(1, -1), &u_m = cc.u_m;
   const auto beta_n = dec.beta.narrow(1, dec.beta.size(1) - 1, 1), c_n = dec.c.narrow(1, dec.c.size(1) - 1, 1);
   const auto e_n = dec.e_last.unsqueeze(-1);
   const auto w = bound.slice(1, 0, bound.size(1), 2), s = bound.slice(1, 1, bound.size(1), 2);
@@ -404,11 +423,12 @@ void for_slices(const std::vector<int64_t>& starts, const Body& body) {
 }
 
 Config make_config(int64_t chunk_size, const std::string& activation, bool residual,
-                   c10::optional<double> max_grad_norm, c10::optional<double> max_state_norm, bool record) {
+                   c10::optional<double> max_grad_norm, c10::optional<double> max_state_norm, bool normalize_chunk,
+                   bool record) {
   TORCH_CHECK(activation == "gelu" || activation == "silu", "scan: unknown activation ", activation);
   return {chunk_size, activation == "gelu", residual,
           max_grad_norm ? std::optional<double>(*max_grad_norm) : std::nullopt,
-          max_state_norm ? std::optional<double>(*max_state_norm) : std::nullopt, record};
+          max_state_norm ? std::optional<double>(*max_state_norm) : std::nullopt, normalize_chunk, record};
 }
 
 // fused._run_chunks: chunks [j0, j1) from `start`; chunk idx ends in slots[idx % len(slots)], the last one in
@@ -416,11 +436,12 @@ Config make_config(int64_t chunk_size, const std::string& activation, bool resid
 // `keep`, returns every chunk's starting state and cache.
 std::shared_ptr<Record> run_chunks(int64_t chunk_size, const std::string& activation, bool residual,
                                    c10::optional<double> max_grad_norm, c10::optional<double> max_state_norm,
-                                   bool record, bool keep, const State& start, int64_t j0, int64_t j1, const Tensor& q,
+                                   bool normalize_chunk, bool record, bool keep, const State& start, int64_t j0, int64_t j1, const Tensor& q,
                                    const Tensor& k, const Tensor& v, const Tensor& theta, const Blocks& blocks,
                                    const Tensor& y, const std::vector<State>& slots, const State& last,
                                    const c10::optional<Tensor>& scales, bool replay) {
-  const Config cfg = make_config(chunk_size, activation, residual, max_grad_norm, max_state_norm, record);
+  const Config cfg =
+      make_config(chunk_size, activation, residual, max_grad_norm, max_state_norm, normalize_chunk, record);
   auto rec = std::make_shared<Record>();
   rec->first_chunk = j0;
   rec->slice_starts = slice_starts(q.size(0));
@@ -466,7 +487,8 @@ void backward_chunks(int64_t chunk_size, const std::string& activation, bool res
                      const Blocks& blocks, const Blocks& d_blocks, const Tensor& dy, const State& d_end,
                      const std::vector<State>& targets, const Tensor& d_q, const Tensor& d_k, const Tensor& d_v,
                      const Tensor& d_theta, const c10::optional<Tensor>& scales) {
-  const Config cfg = make_config(chunk_size, activation, residual, max_grad_norm, c10::nullopt, true);
+  // The backward pass reads the normalised step's factors from the caches, not from the config.
+  const Config cfg = make_config(chunk_size, activation, residual, max_grad_norm, c10::nullopt, false, true);
   const int64_t count = rec.slices.empty() ? 0 : static_cast<int64_t>(rec.slices[0].size());
   TORCH_CHECK(static_cast<int64_t>(targets.size()) == count, "scan: one target state per recorded chunk");
   const int64_t seq = dy.size(1);
