@@ -4,7 +4,12 @@ import json
 
 from typer.testing import CliRunner
 
-from titans.bench.stability import StreamCase, TrainCase, run_stream, run_training, summarize
+import math
+
+import torch
+
+from titans.bench.stability import StreamCase, TrainCase, describe_streams, run_stream, run_training, summarize
+from titans.memory import NeuralMemory
 from titans.cli import app
 
 
@@ -35,6 +40,27 @@ def test_worst_gates_run_away_only_under_the_papers_rule():
     assert not paper.finite and paper.max_state_norm == float("inf") and paper.tokens < 512 + 4096
     assert summarize([ours, paper], ["depth"]) == {"ours": {"all": "1/1", "depth=2": "1/1"},
                                                    "paper": {"all": "0/1", "depth=2": "0/1"}}
+    assert "outputs and states finite in 1/1 streams" in describe_streams([ours, paper], "ours")
+    assert describe_streams([ours, paper], "paper").endswith(
+        "not finite: depth 2 gelu momentum on chunk 16 scale 1000 worst float32 (outputs or states)")
+
+
+def test_streams_train_exactly_the_first_train_tokens_and_record_their_gradients(monkeypatch):
+    """The backward passes cover the first `train_tokens` tokens (a piece ends there), the rest streams without
+    gradients; the largest gradient entry is recorded (0 where nothing trained)."""
+    calls, forward = [], NeuralMemory.forward
+
+    def spy(self, x, state=None):
+        calls.append((x.shape[1], torch.is_grad_enabled()))
+        return forward(self, x, state)
+
+    monkeypatch.setattr(NeuralMemory, "forward", spy)
+    case = StreamCase("ours", 1, "gelu", True, 4, 1.0, "init", "float32")
+    trained = run_stream(case, tokens=40, train_tokens=12, piece=16)
+    assert calls == [(12, True), (16, False), (12, False)]
+    assert trained.finite and trained.forward_finite and trained.tokens == 40
+    assert 0 < trained.max_grad < math.inf
+    assert run_stream(case, tokens=40, train_tokens=0, piece=16).max_grad == 0.0
 
 
 def test_training_sweep_runs_count_steps_and_stop_at_divergence():

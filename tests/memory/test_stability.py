@@ -13,6 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from titans import TitansConfig
 from titans.bench.stability import RULES, WORST_GATE_LOGITS
 from titans.memory import NeuralMemory
 
@@ -97,3 +98,7 @@ def test_the_paper_rule_runs_away_where_the_default_does_not(scale):
 def test_the_default_rule_is_on_by_default():
     memory = NeuralMemory(DIM, heads=HEADS)
     assert memory.normalize_inputs and memory.max_grad_norm is not None and memory.max_state_norm is not None
+    assert memory.normalize_chunk
+    config = TitansConfig(variant="lmm")
+    assert config.memory_normalize_inputs and config.memory_normalize_chunk
+    assert config.memory_max_grad_norm is not None and config.memory_max_state_norm is not None

@@ -166,7 +166,7 @@ def stability(
     from functools import partial
     from multiprocessing import get_context
 
-    from .stability import (RULES, StabilityGrid, as_json, format_summary, largest_state, run_stream, run_training,
+    from .stability import (RULES, StabilityGrid, as_json, describe_streams, format_summary, run_stream, run_training,
                             summarize)
 
     grid = StabilityGrid(
@@ -186,8 +186,7 @@ def stability(
                f"pass; {len(streams)} stream cases, {len(trains)} training runs of {train_steps} steps")
     typer.echo(format_summary("streams: finite runs (outputs, states, gradients)", summaries["streams"]))
     for rule in grid.rules:
-        largest = largest_state(stream_results, rule)
-        typer.echo(f"{rule}: largest state norm (‖·‖_F / √d_out) of a finite stream: {largest}")
+        typer.echo(describe_streams(stream_results, rule))
     if train_results:
         summaries["training"] = summarize(train_results, ["depth", "scale", "lr"])
         typer.echo(format_summary("training sweep: finite runs (loss, parameters)", summaries["training"]))

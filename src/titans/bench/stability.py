@@ -49,10 +49,12 @@ class StreamCase:
 @dataclass
 class StreamResult:
     case: StreamCase
-    finite: bool
+    finite: bool  # outputs, states and the outer gradients of the training pieces
     tokens: int  # tokens streamed (fewer than asked where it stopped at the first non-finite value)
     max_state_norm: float  # largest ‖W_i‖_F / √d_out and ‖S_i‖_F / √d_out seen at a call's end (inf when not finite)
     seconds: float
+    forward_finite: bool  # outputs and states alone (test time's view; `finite` adds the gradients)
+    max_grad: float  # largest |entry| of the parameters' gradients over the training pieces (inf when not finite)
 
 
 def build_memory(rule: str, dim: int, heads: int, **fields) -> NeuralMemory:
@@ -76,7 +78,8 @@ def _state_norm(state) -> float:
 
 def run_stream(case: StreamCase, tokens: int, train_tokens: int, dim: int = 32, heads: int = 2, piece: int = 4096,
                seed: int = 0) -> StreamResult:
-    """Stream `tokens` random inputs through one memory; the first `train_tokens` with a backward pass."""
+    """Stream `tokens` random inputs through one memory; the first `train_tokens` with a backward pass (each piece
+    of at most `piece` tokens its own backward pass, as a training loop over windows of a long stream would)."""
     torch.manual_seed(seed)
     memory = build_memory(case.rule, dim, heads, depth=case.depth, activation=case.activation,
                           momentum=case.momentum, chunk_size=case.chunk_size)
@@ -84,25 +87,29 @@ def run_stream(case: StreamCase, tokens: int, train_tokens: int, dim: int = 32, 
         _set_worst_gates(memory)
     generator = torch.Generator().manual_seed(seed + 1)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=case.dtype == "bf16-autocast")
-    state, done, worst, start = None, 0, 0.0, time.perf_counter()
-    finite = True
-    while done < tokens and finite:
-        n = min(piece, tokens - done)
-        x = torch.randn(1, n, dim, generator=generator) * case.scale
+    state, done, worst, max_grad, start = None, 0, 0.0, 0.0, time.perf_counter()
+    forward_finite = grads_finite = True
+    while done < tokens and forward_finite and grads_finite:
         training = done < train_tokens
+        n = min(piece, tokens - done, train_tokens - done if training else tokens)
+        x = torch.randn(1, n, dim, generator=generator) * case.scale
         with autocast, torch.set_grad_enabled(training):
             y, state = memory(x, state)
-            finite = bool(torch.isfinite(y).all())
-            if training and finite:
+            forward_finite = bool(torch.isfinite(y).all())
+            if training and forward_finite:
                 memory.zero_grad()
                 y.float().pow(2).mean().backward()
-                finite = all(p.grad is None or bool(torch.isfinite(p.grad).all()) for p in memory.parameters())
+                largest = max(p.grad.abs().max().item() for p in memory.parameters() if p.grad is not None)
+                grads_finite = math.isfinite(largest)
+                max_grad = max(max_grad, largest) if grads_finite else math.inf
         state = _detached(state)
         norm = _state_norm(state)
-        finite = finite and math.isfinite(norm)
+        forward_finite = forward_finite and math.isfinite(norm)
         worst = max(worst, norm)
         done += n
-    return StreamResult(case, finite, done, worst if finite else math.inf, time.perf_counter() - start)
+    finite = forward_finite and grads_finite
+    return StreamResult(case, finite, done, worst if forward_finite else math.inf, time.perf_counter() - start,
+                        forward_finite, max_grad)
 
 
 def _detached(state):
@@ -218,3 +225,24 @@ def largest_state(results: list[StreamResult], rule: str) -> Optional[float]:
     """The largest state norm (relative to √d_out) any finite stream of `rule` reached."""
     norms = [r.max_state_norm for r in results if r.case.rule == rule and r.finite]
     return max(norms) if norms else None
+
+
+def describe_streams(results: list[StreamResult], rule: str) -> str:
+    """One line: the streams of `rule` whose outputs and states stayed finite, the largest outer-gradient entry of a
+    finite stream, and the streams that failed, by case."""
+    mine = [r for r in results if r.case.rule == rule]
+    forward = sum(r.forward_finite for r in mine)
+    grads = [r.max_grad for r in mine if r.finite]
+    failed = [r for r in mine if not r.finite]
+    line = (f"{rule}: outputs and states finite in {forward}/{len(mine)} streams; largest state norm "
+            f"(‖·‖_F / √d_out) of a finite stream {largest_state(results, rule)}; largest outer-gradient entry of a "
+            f"finite stream {max(grads) if grads else None}")
+    shown = 12
+    if failed:
+        line += "; not finite: " + "; ".join(
+            f"depth {r.case.depth} {r.case.activation} momentum {'on' if r.case.momentum else 'off'} chunk "
+            f"{r.case.chunk_size} scale {r.case.scale:g} {r.case.gates} {r.case.dtype}"
+            + (" (gradients)" if r.forward_finite else " (outputs or states)") for r in failed[:shown])
+        if len(failed) > shown:
+            line += f"; and {len(failed) - shown} more"
+    return line

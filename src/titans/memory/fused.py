@@ -240,7 +240,8 @@ def _chunk_backward(
 ) -> ChunkGrads:
     """Gradients of one chunk by hand; writes ∂L/∂(W⁰, S⁰) into `d_state` given ∂L/∂(W, S after) `d_new`.
 
-    The forward pass, per layer i (W, S the chunk's starting state, u_w = C[n,:], u_m = θ ⊙ E[n,:]):
+    The forward pass, per layer i (W, S the chunk's starting state, u_w = C[n,:], u_m = θ ⊙ E[n,:]; under the
+    normalised chunk step C carries ⊙ K and u_m ⊙ K[n,:]):
         keys:     p_i = a_i W_i,  a_{i+1} = σ(p_i),  δ_L = 2(p_L (+k) − v),  δ_i = (δ_{i+1} W_{i+1}ᵀ) ⊙ σ'(p_i)
         queries:  r_i = β ⊙ h_i W_i + c ⊙ h_i S_i − (C ⊙ h_i a_iᵀ) δ_i,  h_{i+1} = σ(r_i),  y = r_L (+q)
         update:   W_i' = β_n W_i + c_n S_i − a_iᵀ (u_w ⊙ δ_i),  S_i' = e_n S_i − a_iᵀ (u_m ⊙ δ_i)
