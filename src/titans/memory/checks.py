@@ -89,12 +89,10 @@ def check_memory_args(
             raise ValueError(f"{name} must lie in [0, 1]")
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be an integer >= 1, got {chunk_size!r}")
-    if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float))
-                                      or not max_grad_norm > 0 or max_grad_norm == float("inf")):
-        raise ValueError(f"max_grad_norm must be a positive finite number or None, got {max_grad_norm!r}")
-    if max_state_norm is not None and (isinstance(max_state_norm, bool) or not isinstance(max_state_norm, (int, float))
-                                       or not 0 < max_state_norm < float("inf")):
-        raise ValueError(f"max_state_norm must be a positive finite number or None, got {max_state_norm!r}")
+    for name, bound in (("max_grad_norm", max_grad_norm), ("max_state_norm", max_state_norm)):
+        if bound is not None and (isinstance(bound, bool) or not isinstance(bound, (int, float))
+                                  or not 0 < bound < float("inf")):
+            raise ValueError(f"{name} must be a positive finite number or None, got {bound!r}")
     if not isinstance(normalize_chunk, bool):
         raise ValueError(f"normalize_chunk must be True or False, got {normalize_chunk!r}")
     if activation not in ACTIVATIONS:
