@@ -1,4 +1,4 @@
-"""The `titans` command line: train, eval, generate, bench, demo.
+"""The `titans` command line: train, eval, generate, bench, demo, experiment.
 
 Bad input ends with one line on stderr ("error: ...") and exit code 2, never a traceback wall
 (the commands turn the library's ValueErrors into that line; `main` does the same for usage errors
@@ -21,6 +21,9 @@ from .bench import bench_app
 app = typer.Typer(help="Titans neural long-term memory: train, evaluate, generate, benchmark, demo.",
                   no_args_is_help=True, pretty_exceptions_enable=False)
 app.add_typer(bench_app, name="bench")
+experiment_app = typer.Typer(help="Experiments: grids of runs (configs/experiments/*.yaml), their JSON, the report.",
+                             no_args_is_help=True)
+app.add_typer(experiment_app, name="experiment")
 
 USAGE_ERROR = 2
 
@@ -250,6 +253,56 @@ def demo(
     from .train.demo import run_demo
 
     typer.echo(str(run_demo(out, configs, jobs=jobs, quiet=quiet, force=force)))
+
+
+@experiment_app.command("list")
+@friendly
+def experiment_list() -> None:
+    """The experiments in configs/experiments, with the number of runs or points of each."""
+    from .experiments import expand, experiment_names, load_experiment
+
+    for name in experiment_names():
+        exp = load_experiment(name)
+        size = f"{len(expand(exp))} training runs" if exp.kind == "train" else exp.kind
+        typer.echo(f"{name:<12} {size:<20} {exp.title}")
+
+
+@experiment_app.command("run")
+@friendly
+def experiment_run(
+    name: str = typer.Argument(..., help="An experiment in configs/experiments (see `titans experiment list`), or a "
+                                         "path to an experiment YAML."),
+    quick: bool = typer.Option(False, help="The quick tier: tiny sizes, a few steps (what the test suite runs)."),
+    jobs: int | None = typer.Option(None, min=1, help="Runs side by side, one thread each (default: one per core)."),
+    results_dir: Path | None = typer.Option(None, help="Where NAME.json goes (default docs/results, or "
+                                                       "runs/experiments-quick/results with --quick)."),
+    runs_dir: Path | None = typer.Option(None, help="Where the runs go (default runs/experiments, or "
+                                                    "runs/experiments-quick with --quick); finished runs are reused."),
+    quiet: bool = typer.Option(False, help="No line per finished run."),
+) -> None:
+    """Run an experiment's grid (resumable: finished runs are read back, killed ones continue) and write its JSON
+    (its path is the last line)."""
+    from .experiments import load_experiment, run_experiment
+
+    exp = load_experiment(name, quick=quick)
+    default_root = Path("runs/experiments-quick") if quick else Path("runs/experiments")
+    results_dir = results_dir or (default_root / "results" if quick else Path("docs/results"))
+    typer.echo(str(run_experiment(exp, results_dir, runs_dir or default_root, jobs, quick=quick, quiet=quiet)))
+
+
+@experiment_app.command("report")
+@friendly
+def experiment_report(
+    results_dir: Path = typer.Option(Path("docs/results"), help="The results JSON files."),
+    out: Path = typer.Option(Path("docs/RESULTS.md"), help="The report written."),
+    readme: Path = typer.Option(Path("README.md"), help="README whose experiments block is rewritten."),
+    update_readme: bool = typer.Option(True, "--update-readme/--no-update-readme",
+                                       help="Rewrite the README's experiments block (or leave the README alone)."),
+) -> None:
+    """Write RESULTS.md, a PNG per experiment and the README's results block from the results JSON alone."""
+    from .experiments import write_report
+
+    typer.echo(str(write_report(results_dir, out, readme if update_readme else None)))
 
 
 def main() -> None:

@@ -88,7 +88,9 @@ def _check_value(path: str, tp: Any, value: Any) -> Any:
     if origin is dict:
         if not isinstance(value, dict):
             raise ValueError(f"{path}: expected a mapping, got {type(value).__name__}")
-        return dict(value)
+        key_tp, item_tp = get_args(tp) or (Any, Any)
+        return {_check_value(f"{path} (a key)", key_tp, k): _check_value(f"{path}.{k}", item_tp, v)
+                for k, v in value.items()}
     if isinstance(tp, type) and issubclass(tp, Config):
         if isinstance(value, tp):
             return value
@@ -166,6 +168,8 @@ class Config:
                 return value.to_dict()
             if isinstance(value, (list, tuple)):
                 return [convert(v) for v in value]
+            if isinstance(value, dict):
+                return {k: convert(v) for k, v in value.items()}
             return value
 
         return {f.name: convert(getattr(self, f.name)) for f in dataclasses.fields(self)}

@@ -184,24 +184,33 @@ def test_mqar_which_pair_is_asked_first_is_uniform():
     assert (torch.bincount(pair_index, minlength=4) / 2000 - 0.25).abs().max() < 0.04
 
 
-def simulate_babi(body: str) -> tuple[dict[str, str], set[str]]:
-    """(where every person and touched object is at the end of a story, the objects lying dropped),
-    read off the text."""
+def simulate_babi(body: str) -> tuple[dict[str, str], set[str], dict[str, list[str]]]:
+    """(where every person and touched object is at the end of a story, the objects lying dropped, the rooms each
+    touched object has been in, in order), read off the text."""
     verbs = "|".join(MOVE_VERBS + TAKE_VERBS + DROP_VERBS)
-    where, held_by, lies_in = {}, {}, {}
+    where, held_by, lies_in, trail = {}, {}, {}, {}
+
+    def arrive(thing, room):
+        if trail.setdefault(thing, [])[-1:] != [room]:
+            trail[thing].append(room)
+
     for person, verb, thing in re.findall(rf"(Mary|John|Sandra|Daniel) ({verbs}) the (\w+)\. ", body):
         if verb in MOVE_VERBS:
             where[person] = thing
+            for carried in [t for t, p in held_by.items() if p == person]:
+                arrive(carried, thing)
         elif verb in TAKE_VERBS:
             held_by[thing] = person
             lies_in.pop(thing, None)
+            arrive(thing, where[person])
         else:
             del held_by[thing]
             lies_in[thing] = where[person]
-    return {**where, **lies_in, **{thing: where[person] for thing, person in held_by.items()}}, set(lies_in)
+    places = {**where, **lies_in, **{thing: where[person] for thing, person in held_by.items()}}
+    return places, set(lies_in), trail
 
 
-@pytest.mark.parametrize("qa", [1, 2])
+@pytest.mark.parametrize("qa", [1, 2, 3])
 def test_babilong_answer_follows_the_facts(qa):
     task = get_task("babilong", qa=qa, num_facts=8)
     asked_about_dropped = 0
@@ -212,14 +221,19 @@ def test_babilong_answer_follows_the_facts(qa):
             positions, answer = scored(target)
             answer = text(answer)
             assert positions == list(range(length - len(answer) - 1, length - 1))
-            subject = re.search(r"Where is (?:the )?(\w+)\? Answer: (\w+)$", body)
-            assert subject.group(2) == answer
-            places, dropped = simulate_babi(body)
-            assert places[subject.group(1)] == answer
+            places, dropped, trail = simulate_babi(body)
+            if qa == 3:
+                subject = re.search(r"Where was the (\w+) before the (\w+)\? Answer: (\w+)$", body)
+                thing, last = subject.group(1), subject.group(2)
+                assert subject.group(3) == answer and trail[thing][-2:] == [answer, last]
+            else:
+                subject = re.search(r"Where is (?:the )?(\w+)\? Answer: (\w+)$", body)
+                assert subject.group(2) == answer and places[subject.group(1)] == answer
             asked_about_dropped += subject.group(1) in dropped
             facts = len(re.findall(r"(Mary|John|Sandra|Daniel) ", body))
-            assert facts >= 8 + (4 if qa == 2 else 0)
-    assert (asked_about_dropped >= 5) == (qa == 2)  # qa2 asks about dropped objects too
+            assert facts >= 8 + (4 if qa > 1 else 0)
+    if qa < 3:
+        assert (asked_about_dropped >= 5) == (qa == 2)  # qa2 asks about dropped objects too
 
 
 @pytest.mark.parametrize("name", ["copy", "selective_copy"])
@@ -455,7 +469,7 @@ def test_lm_bytes_default_corpus_is_the_stdlib():
         ("kv_recall", {"num_pairs": 9, "num_keys": 8}, "num_keys"),
         ("kv_recall", {"num_values": 1}, "num_values"),
         ("kv_recall", {"vocab": 32}, "vocab"),
-        ("babilong", {"qa": 3}, "qa"),
+        ("babilong", {"qa": 4}, "qa"),
         ("babilong", {"num_facts": 0}, "num_facts"),
         ("copy", {"vocab": "big"}, "vocab"),
         ("selective_copy", {"num_tokens": 0}, "num_tokens"),

@@ -99,6 +99,32 @@ def best_of(points: list[BenchPoint]) -> BenchPoint:
                       max(p.fwd_bwd_tok_s for p in done), max(p.peak_mib for p in done))
 
 
+def run_isolated(module: str, spec: dict, memory_cap_gib: float, timeout_s: float,
+                 env: Optional[dict] = None) -> tuple[str, Optional[dict]]:
+    """Run `python -m <module> '<spec as JSON>'` in a fresh process, its address space capped at memory_cap_gib
+    (`limit_address_space`, which the module's main calls) and its time at timeout_s: ("ok", the JSON object its
+    last stdout line printed), or (a status naming the failure, None)."""
+    cmd = [sys.executable, "-m", module, json.dumps({**spec, "memory_cap_gib": memory_cap_gib})]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
+    except subprocess.TimeoutExpired:
+        return f"timeout (> {timeout_s:.0f} s)", None
+    if out.returncode != 0:
+        lines = (out.stderr or out.stdout).strip().splitlines()
+        tail = lines[-1] if lines else f"exit code {out.returncode}"
+        return ("out of memory" if "memory" in tail.lower() or out.returncode == -9 else f"error: {tail[:120]}"), None
+    return "ok", json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def limit_address_space(spec: dict) -> dict:
+    """In the isolated process: apply the spec's address-space cap and thread count; the spec without the cap."""
+    spec = dict(spec)
+    cap = int(spec.pop("memory_cap_gib") * 2**30)
+    resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+    torch.set_num_threads(spec.get("threads") or torch.get_num_threads())
+    return spec
+
+
 def run_point(spec: dict, memory_cap_gib: float, timeout_s: float, release_memory: bool = False) -> BenchPoint:
     """Run one point in a subprocess with an address-space cap and a time limit.
 
@@ -106,18 +132,11 @@ def run_point(spec: dict, memory_cap_gib: float, timeout_s: float, release_memor
     MiB come from the heap and freed ones stay resident (fragmentation): peak RSS then grows with the number of
     allocations, not only with live tensors. `release_memory` pins the threshold at 128 KiB for the subprocess.
     """
-    cmd = [sys.executable, "-m", "titans.bench.memory", json.dumps({**spec, "memory_cap_gib": memory_cap_gib})]
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"} if release_memory else None
-    try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
-    except subprocess.TimeoutExpired:
-        return BenchPoint(spec["impl"], spec["seq_len"], spec["batch"], status=f"timeout (> {timeout_s:.0f} s)")
-    if out.returncode != 0:
-        lines = (out.stderr or out.stdout).strip().splitlines()
-        tail = lines[-1] if lines else f"exit code {out.returncode}"
-        status = "out of memory" if "memory" in tail.lower() or out.returncode == -9 else f"error: {tail[:120]}"
+    status, point = run_isolated("titans.bench.memory", spec, memory_cap_gib, timeout_s, env)
+    if point is None:
         return BenchPoint(spec["impl"], spec["seq_len"], spec["batch"], status=status)
-    return BenchPoint(**json.loads(out.stdout.strip().splitlines()[-1]))
+    return BenchPoint(**point)
 
 
 def reference_available() -> bool:
@@ -176,11 +195,7 @@ def format_rule_cost(points: list[BenchPoint]) -> str:
 
 
 def _main_worker(arg: str) -> None:
-    spec = json.loads(arg)
-    cap = int(spec.pop("memory_cap_gib") * 2**30)
-    resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
-    torch.set_num_threads(spec.get("threads") or torch.get_num_threads())
-    print(json.dumps(asdict(_worker(spec))))
+    print(json.dumps(asdict(_worker(limit_address_space(json.loads(arg))))))
 
 
 if __name__ == "__main__":

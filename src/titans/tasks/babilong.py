@@ -3,6 +3,8 @@
 qa1 (single supporting fact): people move between rooms; "Where is Mary?" → the room of her last move.
 qa2 (two supporting facts): people also pick up and drop objects; "Where is the apple?" → the room of
 whoever holds it now, or the room where it was dropped.
+qa3 (three supporting facts): the same world; "Where was the apple before the office?" → the room the object was in
+before it last arrived where it is now (the take, the move that carried it there and the move before it).
 
 Byte-level (vocabulary 256, no special tokens). The story's facts keep their order and are spread at
 random sentence starts through generated distractor text (the tail of a longer text) so that the
@@ -33,12 +35,12 @@ def longest(items: list[str]) -> str:
 
 @dataclasses.dataclass
 class BabilongOptions(TaskOptions):
-    qa: int = 1  # 1: single supporting fact, 2: two supporting facts
-    num_facts: int = 6  # facts in the story (qa2 adds one opening move per person)
+    qa: int = 1  # 1, 2, 3: single, two, three supporting facts
+    num_facts: int = 6  # facts in the story (qa2 and qa3 add one opening move per person, and up to two closing facts)
 
     def validate(self) -> None:
-        if self.qa not in (1, 2):
-            raise ValueError(f"qa must be 1 or 2, got {self.qa}")
+        if self.qa not in (1, 2, 3):
+            raise ValueError(f"qa must be 1, 2 or 3, got {self.qa}")
         if self.num_facts < 1:
             raise ValueError(f"num_facts must be >= 1, got {self.num_facts}")
 
@@ -59,40 +61,89 @@ def story_qa1(num_facts: int, g: torch.Generator) -> tuple[list[str], str, str]:
     return facts, f"Where is {person}? {ANSWER_PROMPT}", where[person]
 
 
-def story_qa2(num_facts: int, g: torch.Generator) -> tuple[list[str], str, str]:
-    """(facts, question, answer): everyone first goes somewhere, then num_facts random feasible
-    actions (move, take a free object, drop a held one); ask for an object someone has touched."""
-    where = {p: pick(ROOMS, g) for p in PEOPLE}
-    facts = [move(p, where[p], g) for p in PEOPLE]
-    holder: dict[str, str] = {}  # object -> person holding it
-    dropped_in: dict[str, str] = {}  # object -> room it lies in
-    for _ in range(num_facts):
-        person = pick(PEOPLE, g)
-        free = [o for o in OBJECTS if o not in holder]
-        held = [o for o, h in holder.items() if h == person]
-        actions = ["move"] + ["take"] * bool(free) + ["drop"] * bool(held)
-        action = pick(actions, g)
+class World:
+    """People moving between rooms and carrying objects (qa2, qa3): where everyone and everything is, and the rooms
+    each object has been in, in order (a room is added when the object arrives somewhere new)."""
+
+    def __init__(self, g: torch.Generator):
+        self.g = g
+        self.where = {p: pick(ROOMS, g) for p in PEOPLE}
+        self.facts = [move(p, self.where[p], g) for p in PEOPLE]
+        self.holder: dict[str, str] = {}  # object -> person holding it
+        self.dropped_in: dict[str, str] = {}  # object -> room it lies in
+        self.trail: dict[str, list[str]] = {}  # object -> rooms it has been in, once touched
+
+    def arrive(self, thing: str, room: str) -> None:
+        trail = self.trail.setdefault(thing, [])
+        if not trail or trail[-1] != room:
+            trail.append(room)
+
+    def move(self, person: str, room: str) -> None:
+        self.where[person] = room
+        self.facts.append(move(person, room, self.g))
+        for thing, holder in self.holder.items():
+            if holder == person:
+                self.arrive(thing, room)
+
+    def take(self, person: str, thing: str) -> None:
+        self.holder[thing] = person  # a held object's place is its holder's, whatever dropped_in says
+        self.arrive(thing, self.where[person])
+        self.facts.append(f"{person} {pick(TAKE_VERBS, self.g)} the {thing}. ")
+
+    def drop(self, person: str, thing: str) -> None:
+        del self.holder[thing]
+        self.dropped_in[thing] = self.where[person]
+        self.facts.append(f"{person} {pick(DROP_VERBS, self.g)} the {thing}. ")
+
+    def act(self) -> None:
+        """One random feasible action of a random person: move, take a free object, drop a held one."""
+        person = pick(PEOPLE, self.g)
+        free = [o for o in OBJECTS if o not in self.holder]
+        held = [o for o, h in self.holder.items() if h == person]
+        action = pick(["move"] + ["take"] * bool(free) + ["drop"] * bool(held), self.g)
         if action == "move":
-            where[person] = pick(ROOMS, g)
-            facts.append(move(person, where[person], g))
+            self.move(person, pick(ROOMS, self.g))
         elif action == "take":
-            thing = pick(free, g)
-            holder[thing] = person  # a held object's place is its holder's, whatever dropped_in says
-            facts.append(f"{person} {pick(TAKE_VERBS, g)} the {thing}. ")
+            self.take(person, pick(free, self.g))
         else:
+            self.drop(person, pick(held, self.g))
+
+    def place(self, thing: str) -> str:
+        return self.where[self.holder[thing]] if thing in self.holder else self.dropped_in[thing]
+
+
+def story_qa2(num_facts: int, g: torch.Generator) -> tuple[list[str], str, str]:
+    """(facts, question, answer): everyone first goes somewhere, then num_facts random actions; ask where an object
+    someone has touched is now."""
+    world = World(g)
+    for _ in range(num_facts):
+        world.act()
+    if not world.trail:  # nobody took anything: end with a take so there is something to ask about
+        world.take(pick(PEOPLE, g), pick(OBJECTS, g))
+    thing = pick(sorted(world.trail), g)
+    return world.facts, f"Where is the {thing}? {ANSWER_PROMPT}", world.place(thing)
+
+
+def story_qa3(num_facts: int, g: torch.Generator) -> tuple[list[str], str, str]:
+    """(facts, question, answer): qa2's world; ask where an object was before the room it last arrived in. When no
+    object has been in two rooms, the story ends with someone taking one and carrying it to another room."""
+    world = World(g)
+    for _ in range(num_facts):
+        world.act()
+    moved = sorted(t for t, trail in world.trail.items() if len(trail) >= 2)
+    if not moved:
+        held = sorted(world.holder)
+        if held:
             thing = pick(held, g)
-            del holder[thing]
-            dropped_in[thing] = where[person]
-            facts.append(f"{person} {pick(DROP_VERBS, g)} the {thing}. ")
-    touched = sorted(set(holder) | set(dropped_in))
-    if not touched:  # nobody took anything: end with a take so there is something to ask about
-        person, thing = pick(PEOPLE, g), pick(OBJECTS, g)
-        holder[thing] = person
-        facts.append(f"{person} {pick(TAKE_VERBS, g)} the {thing}. ")
-        touched = [thing]
-    thing = pick(touched, g)
-    answer = where[holder[thing]] if thing in holder else dropped_in[thing]
-    return facts, f"Where is the {thing}? {ANSWER_PROMPT}", answer
+        else:
+            thing = pick(OBJECTS, g)
+            world.take(pick(PEOPLE, g), thing)
+        here = world.where[world.holder[thing]]
+        world.move(world.holder[thing], pick([r for r in ROOMS if r != here], g))
+        moved = [thing]
+    thing = pick(moved, g)
+    before, last = world.trail[thing][-2:]
+    return world.facts, f"Where was the {thing} before the {last}? {ANSWER_PROMPT}", before
 
 
 @register
@@ -107,15 +158,18 @@ class Babilong(Task):
         person, room, thing = longest(PEOPLE), longest(ROOMS), longest(OBJECTS)
         if self.options.qa == 1:
             most_facts, question = self.options.num_facts, f"Where is {person}? {ANSWER_PROMPT}"
-        else:
+        elif self.options.qa == 2:
             # the opening moves, the actions, and a closing take when nothing was touched
             most_facts, question = len(PEOPLE) + self.options.num_facts + 1, f"Where is the {thing}? {ANSWER_PROMPT}"
+        else:  # the opening moves, the actions, and a closing take and move when no object has been in two rooms
+            most_facts = len(PEOPLE) + self.options.num_facts + 2
+            question = f"Where was the {thing} before the {room}? {ANSWER_PROMPT}"
         fact = max(f"{person} {longest(MOVE_VERBS)} the {room}. ",
                    f"{person} {longest(TAKE_VERBS + DROP_VERBS)} the {thing}. ", key=len)
         return most_facts * len(fact) + len(question) + len(room)
 
     def _generate(self, batch_size: int, length: int, generator: torch.Generator) -> TokenBatch:
-        story = story_qa1 if self.options.qa == 1 else story_qa2
+        story = (story_qa1, story_qa2, story_qa3)[self.options.qa - 1]
         rows, targets = [], []
         for _ in range(batch_size):
             facts, question, answer = story(self.options.num_facts, generator)

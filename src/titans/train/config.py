@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Optional
 
 from ..config import Config, apply_overrides, read_yaml_mapping
 from ..models.config import TitansConfig
@@ -22,6 +22,7 @@ from ..tasks import Task, get_task
 # A new `steps` stretches the cosine schedule to the new end from the resumed step on: the learning rate
 # continues from where the new schedule stands, not from where the old one was.
 RESUMABLE_CHANGES = frozenset({"name", "steps", "time_budget_s", "eval_every", "eval_batches", "eval_batch_size",
+                               "eval_piece",
                                "checkpoint_every", "keep_checkpoints", "log_every", "max_skips_in_row", "device",
                                "threads", "tensorboard", "task.eval_lengths"})
 
@@ -95,6 +96,7 @@ class TrainConfig(Config):
     eval_every: int = 0  # evaluate at task.train_length every this many steps; 0: only the final evaluation
     eval_batches: int = 4
     eval_batch_size: int = 16
+    eval_piece: Optional[int] = None  # evaluate through the recurrent state, this many tokens per call; None: whole
     checkpoint_every: int = 100  # 0: only at the end (or when time_budget_s runs out)
     keep_checkpoints: int = 2  # newest checkpoints kept in run_dir/checkpoints
     log_every: int = 10
@@ -112,6 +114,8 @@ class TrainConfig(Config):
                      "max_skips_in_row"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.eval_piece is not None and self.eval_piece < 1:
+            raise ValueError(f"eval_piece must be >= 1 (or null for whole sequences), got {self.eval_piece}")
         for name in ("eval_every", "checkpoint_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0 disables), got {getattr(self, name)}")

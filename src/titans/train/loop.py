@@ -127,25 +127,40 @@ def scored_positions(batch: Batch) -> int:
     return batch.targets.numel()
 
 
-def loss_terms(model: nn.Module, batch: Batch, device: torch.device) -> tuple[Tensor, Tensor]:
+def streamed(model: nn.Module, inputs: Tensor, piece: int | None) -> Tensor:
+    """The model's outputs for `inputs`, read `piece` positions per call through the recurrent state (the whole
+    sequence in one call when None): the same outputs either way, up to rounding, in memory that stops growing
+    with the length for every variant but full attention."""
+    if piece is None:
+        return model(inputs)[0]
+    outputs, state = [], None
+    for start in range(0, inputs.shape[1], piece):
+        out, state = model(inputs[:, start:start + piece], state)
+        outputs.append(out)
+    return torch.cat(outputs, 1)
+
+
+def loss_terms(model: nn.Module, batch: Batch, device: torch.device,
+               piece: int | None = None) -> tuple[Tensor, Tensor]:
     """(sum of the per-position losses over the scored positions, model outputs); cross-entropy for
-    token tasks, squared error for series."""
+    token tasks, squared error for series. `piece`: read the sequence that many positions at a time (`streamed`)."""
     dtype = next(model.parameters()).dtype
     inputs, targets = batch.inputs.to(device), batch.targets.to(device)
     if isinstance(batch, TokenBatch):
-        outputs, _ = model(inputs)
+        outputs = streamed(model, inputs, piece)
         total = F.cross_entropy(outputs.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
         return total, outputs
-    outputs, _ = model(inputs.to(dtype))
+    outputs = streamed(model, inputs.to(dtype), piece)
     return F.mse_loss(outputs, targets.to(dtype), reduction="sum"), outputs
 
 
 @torch.no_grad()
 def evaluate(model: nn.Module, task: Task, lengths: list[int], batches: int, batch_size: int, seed: int = 0,
-             device: torch.device | str = "cpu") -> dict[int, dict[str, float]]:
+             device: torch.device | str = "cpu", piece: int | None = None) -> dict[int, dict[str, float]]:
     """Per length, on `batches` x `batch_size` sequences drawn from (seed, length, row): mean loss per
     scored position, and for token tasks exact-match accuracy (rows with every scored token right)
-    and token accuracy, and bits per byte for the byte-level LM."""
+    and token accuracy, and bits per byte for the byte-level LM. `piece`: read each sequence that many tokens at a
+    time through the model's state (None: in one call)."""
     was_training = model.training
     model.eval()
     results = {}
@@ -153,7 +168,7 @@ def evaluate(model: nn.Module, task: Task, lengths: list[int], batches: int, bat
         loss_sum, count, matches, right = 0.0, 0, 0.0, 0.0
         for b in range(batches):
             batch = sample_rows(task, range(b * batch_size, (b + 1) * batch_size), length, EVAL_STREAM, seed, length)
-            batch_loss, outputs = loss_terms(model, batch, torch.device(device))
+            batch_loss, outputs = loss_terms(model, batch, torch.device(device), piece)
             n = scored_positions(batch)
             loss_sum, count = loss_sum + batch_loss.item(), count + n
             if isinstance(batch, TokenBatch):
@@ -449,7 +464,7 @@ class Trainer:
         if self.rank:
             return {}
         return evaluate(self.model, self.eval_task, lengths, self.cfg.eval_batches, self.cfg.eval_batch_size,
-                        device=self.device)
+                        device=self.device, piece=self.cfg.eval_piece)
 
 
 def setup_distributed(device: str = "cpu") -> bool:

@@ -1,0 +1,226 @@
+"""The experiments that measure instead of training: `capacity` (the memory alone at test time) and `efficiency`
+(training and generation speed, peak memory).
+
+capacity — how many random key→value associations one streaming pass writes into the memory so that they can be
+read back. The memory alone, without a model around it: each token of a capacity sequence (`tasks.recall.Capacity`)
+is a fixed random unit vector, the pairs (k_i, v_i) are written once, in order, by the default update rule with
+constant gates (θ from the grid, η and α at the layer's initialisation), and each key is then read with the final
+weights, the answer being the value token whose vector is nearest (cosine) to M(k). `measure_capacity` turns that
+into the most pairs recalled at ≥ threshold. θ is the one thing the model would learn, so every θ of the grid is
+tried and the best kept (the runs record which).
+
+efficiency — one training step (forward, backward) of a batch of `length` tokens, and generation one token at a
+time after a prompt of `length` tokens, for every variant at the experiment's model config, each point in its own
+process under an address-space cap (`bench.memory.run_isolated`) so that its peak resident memory is its own.
+titans-pytorch's MemoryAsContextTransformer at its README configuration runs beside them where it is installed.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Any
+
+import torch
+
+from ..tasks.recall import CapacityOptions, Capacity, measure_capacity
+from .spec import Experiment
+
+# ------------------------------------------------------------------------------------------------------- capacity
+
+
+def memory_reader(dim: int, memory_depth: int, expansion: int, chunk_size: int, theta: float, vocab: int,
+                  seed: int = 0):
+    """predict(inputs [B, 4n + 1]) -> predicted tokens [B, 4n + 1]: the pairs written into a fresh memory, every
+    queried key read back (other positions predict -1)."""
+    from ..memory import NeuralMemory, memory_apply, parallel_memory
+
+    generator = torch.Generator().manual_seed(seed)
+    layer = NeuralMemory(dim, heads=1, depth=memory_depth, expansion=expansion, chunk_size=chunk_size)
+    vectors = torch.nn.functional.normalize(torch.randn(vocab, dim, generator=generator, dtype=torch.float64), dim=-1)
+    weights = tuple(w.detach().double() for w in layer.initial_weights)
+    value_low, value_high = Capacity(CapacityOptions(vocab=vocab, num_pairs=1)).value_range
+
+    def predict(inputs: torch.Tensor) -> torch.Tensor:
+        batch, length = inputs.shape
+        n = (length - 1) // 4
+        keys, values = vectors[inputs[:, 0:2 * n:2]][:, None], vectors[inputs[:, 1:2 * n:2]][:, None]
+        gate = torch.ones(batch, 1, n, dtype=torch.float64)
+        _, final, _ = parallel_memory(
+            keys, keys, values, theta * gate, layer_gate(layer, 1) * gate, layer_gate(layer, 2) * gate,
+            tuple(w.unsqueeze(0).expand(batch, -1, -1, -1) for w in weights), chunk_size=chunk_size,
+            activation=layer.activation, residual=layer.residual, max_grad_norm=layer.max_grad_norm,
+            max_state_norm=layer.max_state_norm, normalize_chunk=layer.normalize_chunk)
+        start = length - 2 * n
+        read = memory_apply(vectors[inputs[:, start::2]][:, None], final, layer.activation, layer.residual)[:, 0]
+        scores = torch.nn.functional.normalize(read, dim=-1) @ vectors[value_low:value_high].T
+        preds = torch.full_like(inputs, -1)
+        preds[:, start::2] = scores.argmax(-1) + value_low
+        return preds
+
+    return predict
+
+
+def layer_gate(layer: Any, which: int) -> float:
+    """The layer's gate `which` (0 θ/θ_max, 1 η, 2 α) at initialisation, from its bias."""
+    return float(torch.sigmoid(layer.to_gates.bias.detach().view(3, layer.heads)[which, 0]))
+
+
+def capacity_point(grid: dict[str, Any], memory_depth: int, expansion: int, chunk_size: int) -> dict[str, Any]:
+    """The best θ's capacity for one memory shape, and the accuracy at every pair count for every θ."""
+    by_theta = {}
+    vocab = 2 + 2 * max(512, 2 * max(grid["pair_counts"]))  # enough distinct keys for the most pairs
+    for theta in grid["thetas"]:
+        predict = memory_reader(grid["dim"], memory_depth, expansion, chunk_size, theta, vocab)
+        result = measure_capacity(predict, grid["pair_counts"], threshold=grid["threshold"], vocab=vocab,
+                                  batch_size=grid["batch_size"])
+        by_theta[str(theta)] = {"capacity": result.capacity,
+                                "accuracy": {str(n): round(a, 4) for n, a in result.accuracy.items()}}
+    best = max(by_theta, key=lambda t: (by_theta[t]["capacity"], sum(by_theta[t]["accuracy"].values())))
+    return {"capacity": by_theta[best]["capacity"], "theta": float(best), "by_theta": by_theta}
+
+
+def capacity_results(exp: Experiment, jobs: int, quiet: bool = False) -> dict[str, Any]:
+    """The capacity JSON body: one row per memory depth, one panel per chunk size, x the expansion."""
+    from .runner import run_parallel
+
+    grid = exp.capacity
+    shapes = [(d, e, c) for c in grid.chunk_sizes for d in grid.memory_depths for e in grid.expansions]
+    labels = [f"depth{d}-expansion{e}-chunk{c}" for d, e, c in shapes]
+    points = run_parallel(capacity_point, [(grid.to_dict(), *shape) for shape in shapes], labels, jobs,
+                          lambda p: f"capacity {p['capacity']} at theta {p['theta']}", quiet)
+    panels: dict[str, dict[str, list]] = {}
+    results: dict[str, dict[str, float]] = {}
+    runs = {}
+    for label, (depth, expansion, chunk), point in zip(labels, shapes, points):
+        panel = f"chunk {chunk}"
+        setting = f"{panel}/{expansion}"
+        entry = panels.setdefault(panel, {"settings": [], "x": []})
+        if setting not in entry["settings"]:
+            entry["settings"].append(setting)
+            entry["x"].append(float(expansion))
+        results.setdefault(f"memory depth {depth}", {})[setting] = point["capacity"]
+        runs[label] = {"model": f"memory depth {depth}", "panel": panel, "values": {setting: point["capacity"]},
+                       "memory_depth": depth, "expansion": expansion, "chunk_size": chunk, **point}
+    return {"panels": panels, "results": results, "runs": runs, "grid": grid.to_dict()}
+
+
+# ----------------------------------------------------------------------------------------------------- efficiency
+
+REFERENCE = "titans-pytorch mac"
+# titans-pytorch's README example: MemoryAsContextTransformer(num_tokens=256, dim=256, depth=2, segment_len=128,
+# num_persist_mem_tokens=4, num_longterm_mem_tokens=16)
+REFERENCE_CONFIG = {"num_tokens": 256, "dim": 256, "depth": 2, "segment_len": 128, "num_persist_mem_tokens": 4,
+                    "num_longterm_mem_tokens": 16}
+
+
+def _build(spec: dict[str, Any]) -> torch.nn.Module:
+    if spec["impl"] == REFERENCE:
+        from titans_pytorch import MemoryAsContextTransformer
+
+        return MemoryAsContextTransformer(**REFERENCE_CONFIG)
+    from ..models import TitansConfig, TitansLM
+
+    return TitansLM(TitansConfig.from_dict(spec["model"]))
+
+
+def _logits(model: torch.nn.Module, tokens: torch.Tensor, reference: bool) -> torch.Tensor:
+    return model(tokens) if reference else model(tokens)[0]
+
+
+def _generate_seconds(model: torch.nn.Module, prompt: torch.Tensor, new_tokens: int, reference: bool) -> float:
+    """Seconds to continue `prompt` by `new_tokens` tokens through the model's own generation path (greedy; the
+    reference's sampler with its cache)."""
+    start = time.perf_counter()
+    if reference:
+        model.sample(prompt, prompt.shape[1] + new_tokens, use_cache=True, show_progress=False)
+    else:
+        model.generate(prompt, new_tokens, temperature=0)
+    return time.perf_counter() - start
+
+
+def efficiency_worker(spec: dict[str, Any]) -> dict[str, Any]:
+    """Runs in the isolated process: training tokens/s and peak memory, then generation tokens/s."""
+    from ..bench.memory import _rss_mib
+
+    torch.manual_seed(0)
+    reference = spec["impl"] == REFERENCE
+    model = _build(spec)
+    vocab = REFERENCE_CONFIG["num_tokens"] if reference else spec["model"]["vocab_size"]
+    tokens = torch.randint(0, vocab, (spec["batch_size"], spec["length"]))
+    base = _rss_mib()
+    times = []
+    for i in range(1 + spec["repeats"]):  # the first step warms the allocator and any lazily built kernels
+        model.zero_grad(set_to_none=True)
+        start = time.perf_counter()
+        _logits(model, tokens, reference).float().logsumexp(-1).mean().backward()
+        if i:
+            times.append(time.perf_counter() - start)
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - base
+    model.eval()
+    with torch.no_grad():
+        prompt = tokens[:1]
+        # per new token: the time for n + 1 tokens less the time for 1 (the prompt's own forward pass cancels)
+        one = min(_generate_seconds(model, prompt, 1, reference) for _ in range(2))
+        many = min(_generate_seconds(model, prompt, 1 + spec["generate_tokens"], reference) for _ in range(2))
+    return {"train_tokens_per_s": spec["batch_size"] * spec["length"] / min(times), "peak_mib": peak,
+            "generate_tokens_per_s": spec["generate_tokens"] / max(many - one, 1e-9),
+            "num_parameters": sum(p.numel() for p in model.parameters())}
+
+
+def efficiency_point(spec: dict[str, Any], memory_cap_gib: float, timeout_s: float) -> dict[str, Any]:
+    from ..bench.memory import run_isolated
+
+    status, point = run_isolated("titans.experiments.measure", spec, memory_cap_gib, timeout_s)
+    return {"status": status, **(point or {})}
+
+
+def efficiency_results(exp: Experiment, jobs: int, quiet: bool = False) -> dict[str, Any]:
+    """The efficiency JSON body: one row per variant (and the reference), panels for training tokens/s, peak memory
+    and generation tokens/s, x the sequence length. Points run one at a time (`jobs` is not used): timings taken
+    side by side would measure each other."""
+    from ..bench.memory import reference_available
+    from ..train.config import load_train_config
+    from .runner import run_parallel
+
+    grid = exp.efficiency
+    impls = list(exp.variants)
+    if grid.reference and reference_available():
+        impls.append(REFERENCE)
+    elif grid.reference and not quiet:
+        print("titans-pytorch is not installed (pip install -c constraints.txt '.[compare]'): ours only", flush=True)
+    specs, labels = [], []
+    for impl in impls:
+        model = {}
+        if impl != REFERENCE:
+            data = {**exp.base, "model": {**exp.base.get("model", {}), "variant": impl}}
+            model = load_train_config(data=data).model.to_dict()
+        for length in grid.lengths:
+            specs.append({"impl": impl, "model": model, "length": length, "batch_size": grid.batch_size,
+                          "repeats": grid.repeats, "generate_tokens": grid.generate_tokens, "threads": None})
+            labels.append(f"{impl} {length}")
+    points = run_parallel(efficiency_point, [(s, grid.memory_cap_gib, grid.timeout_s) for s in specs], labels, 1,
+                          lambda p: p["status"] if p["status"] != "ok" else
+                          f"train {p['train_tokens_per_s']:.0f} tok/s, peak {p['peak_mib']:.0f} MiB, "
+                          f"generate {p['generate_tokens_per_s']:.0f} tok/s", quiet)
+    measures = {"training tokens/s": ("train_tokens_per_s", True), "peak memory (MiB)": ("peak_mib", False),
+                "generation tokens/s": ("generate_tokens_per_s", True)}
+    panels = {name: {"settings": [f"{name}/{n}" for n in grid.lengths], "x": [float(n) for n in grid.lengths],
+                     "higher_is_better": better} for name, (_, better) in measures.items()}
+    results: dict[str, dict[str, float | None]] = {}
+    runs = {}
+    for label, spec, point in zip(labels, specs, points):
+        values = {f"{name}/{spec['length']}": point.get(key) for name, (key, _) in measures.items()}
+        results.setdefault(spec["impl"], {}).update(values)
+        runs[label.replace(" ", "-")] = {"model": spec["impl"], "length": spec["length"], "values": values,
+                                         "config": spec["model"] or REFERENCE_CONFIG, **point}
+    return {"panels": panels, "results": results, "runs": runs, "grid": grid.to_dict()}
+
+
+if __name__ == "__main__":
+    from ..bench.memory import limit_address_space
+
+    print(json.dumps(efficiency_worker(limit_address_space(json.loads(sys.argv[1])))))

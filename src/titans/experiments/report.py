@@ -1,0 +1,236 @@
+"""`titans experiment report`: docs/RESULTS.md, the plots and the README's results block, from the results JSON alone.
+
+Every number written here is read from a `docs/results/<experiment>.json` that `titans experiment run` wrote; the
+prose around the tables (what an experiment measures, what we think explains it) is in the JSON too, copied there
+from the experiment's YAML. The README keeps its own text outside the block between `README_START` and `README_END`,
+which the report replaces with each experiment's headline table (the largest x of every panel) and plot.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+ORDER = ("niah", "babilong", "mqar", "long", "capacity", "efficiency")  # the issue's order; others follow by name
+README_START = "<!-- experiments:start (written by `titans experiment report`; edit the YAML, not this) -->"
+README_END = "<!-- experiments:end -->"
+REQUIRED = ("experiment", "metric", "higher_is_better", "results", "runs", "panels")
+
+
+def load_results(results_dir: Path) -> list[dict[str, Any]]:
+    """Every results JSON in `results_dir`, in report order; a file that is not one is an error naming it."""
+    found = []
+    for path in sorted(results_dir.glob("*.json")):
+        try:
+            data = json.loads(path.read_text())
+        except ValueError as err:
+            raise ValueError(f"{path} is not valid JSON: {err}") from None
+        missing = [key for key in REQUIRED if not isinstance(data, dict) or key not in data]
+        if missing:
+            raise ValueError(f"{path} is not an experiment's results (missing {', '.join(missing)})")
+        found.append(data)
+    if not found:
+        raise ValueError(f"no results JSON in {results_dir}; run `titans experiment run NAME` first")
+    rank = {name: i for i, name in enumerate(ORDER)}
+    return sorted(found, key=lambda d: (rank.get(d["experiment"], len(ORDER)), d["experiment"]))
+
+
+def relative(path: Path, start: Path) -> str:
+    """`path` as a link from a file in `start` (Markdown links are relative to the file that holds them)."""
+    return Path(os.path.relpath(path.resolve(), start.resolve())).as_posix()
+
+
+def fmt(value: float | None, metric: str) -> str:
+    if value is None:
+        return "failed"
+    if "accuracy" in metric or isinstance(value, float) and 0 <= value <= 1 and metric != "capacity":
+        return f"{value:.2f}"
+    return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.3g}"
+
+
+def x_text(x: float) -> str:
+    return f"{x:g}"
+
+
+def panel_better(data: dict[str, Any], panel: dict[str, Any]) -> bool:
+    return panel.get("higher_is_better", data["higher_is_better"])
+
+
+def panel_table(data: dict[str, Any], panel: dict[str, Any], labels: list[str]) -> str:
+    """Markdown: one row per model, one column per setting of `panel` (headed by `labels`); the best value of a
+    column in bold, the seeds' range beside the mean where there are several."""
+    spread = data.get("spread", {})
+    better = panel_better(data, panel)
+    best = {}
+    for setting in panel["settings"]:
+        values = [r.get(setting) for r in data["results"].values() if r.get(setting) is not None]
+        if len(set(values)) > 1:  # a column where every model ties has no best
+            best[setting] = max(values) if better else min(values)
+    lines = ["| model | " + " | ".join(labels) + " |", "|---|" + "---:|" * len(labels)]
+    for model, by_setting in data["results"].items():
+        cells = []
+        for setting in panel["settings"]:
+            value = by_setting.get(setting)
+            text = fmt(value, data["metric"]) if setting in by_setting else "-"
+            low_high = spread.get(model, {}).get(setting)
+            if low_high and low_high[0] != low_high[1]:
+                text += f" ({fmt(low_high[0], data['metric'])}–{fmt(low_high[1], data['metric'])})"
+            if value is not None and value == best.get(setting):
+                text = f"**{text}**"
+            cells.append(text)
+        lines.append(f"| {model} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(data: dict[str, Any], path: Path) -> None:
+    """One panel per plot panel, a line per model against x (log2 axis when x spans a factor of 8 or more)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = data["panels"]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
+    for ax, (name, panel) in zip(axes[0], panels.items()):
+        xs = panel["x"]
+        for model, by_setting in data["results"].items():
+            points = [(x, by_setting.get(s)) for x, s in zip(xs, panel["settings"]) if by_setting.get(s) is not None]
+            if points:
+                ax.plot(*zip(*points), marker="o", markersize=3, label=model)
+        if min(xs) > 0 and max(xs) / min(xs) >= 8:
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(xs, [x_text(x) for x in xs], fontsize=7)
+        ax.set_xlabel(data.get("x_label", "x"), fontsize=8)
+        ax.set_ylabel(panel.get("metric", data["metric"]) if name not in data["metric"] else name, fontsize=8)
+        if "accuracy" in data["metric"]:
+            ax.set_ylim(-0.02, 1.02)
+        elif data["metric"] != "capacity":
+            ax.set_yscale("log")
+        ax.set_title(name or data.get("title", data["experiment"]), fontsize=9)
+        ax.grid(alpha=0.3)
+    axes[0][-1].legend(fontsize=7, loc="best")
+    fig.suptitle(data.get("title", data["experiment"]), fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def observations(data: dict[str, Any]) -> list[str]:
+    """Sentences computed from the numbers: per panel, who is best at the largest x, and for train experiments how
+    the best Titans variant compares with the best baseline there."""
+    memory = ("lmm", "mac", "mag", "mal")
+    lines = []
+    for name, panel in data["panels"].items():
+        setting, x = panel["settings"][-1], panel["x"][-1]
+        values = {m: r.get(setting) for m, r in data["results"].items() if r.get(setting) is not None}
+        if not values:
+            continue
+        better = panel_better(data, panel)
+        pick = max if better else min
+        top = pick(values.values())
+        leaders = [m for m, v in values.items() if v == top]
+        where = f"{name}, {data.get('x_label', 'x')} {x_text(x)}" if name else f"{data.get('x_label', 'x')} {x_text(x)}"
+        line = f"{where}: best {', '.join(leaders)} ({fmt(top, data['metric'])}" + (", tied)" if len(leaders) > 1
+                                                                                    else ")")
+        ours = {m: v for m, v in values.items() if m in memory}
+        theirs = {m: v for m, v in values.items() if m not in memory}
+        if ours and theirs and data.get("kind", "train") == "train":
+            a, b = pick(ours, key=ours.get), pick(theirs, key=theirs.get)
+            line += f"; best Titans variant {a} {fmt(ours[a], data['metric'])} against best baseline {b} " \
+                    f"{fmt(theirs[b], data['metric'])}"
+        lines.append(line + ".")
+    return lines
+
+
+def run_facts(data: dict[str, Any]) -> str:
+    """Parameters, steps and training time per model, from the runs (train experiments)."""
+    by_model: dict[str, list[dict[str, Any]]] = {}
+    for run in data["runs"].values():
+        if "num_parameters" in run and "steps" in run:
+            by_model.setdefault(run["model"], []).append(run)
+    if not by_model:
+        return ""
+    lines = ["| model | parameters | steps (mean) | training seconds (mean) | skipped steps | failed runs |",
+             "|---|---:|---:|---:|---:|---:|"]
+    failed = {m: sum("error" in r for r in data["runs"].values() if r["model"] == m) for m in by_model}
+    for model, runs in by_model.items():
+        params = sorted({r["num_parameters"] for r in runs})
+        shown = f"{params[0]:,}" if len(params) == 1 else f"{params[0]:,}–{params[-1]:,}"
+        lines.append(f"| {model} | {shown} | {sum(r['steps'] for r in runs) / len(runs):.0f} | "
+                     f"{sum(r['seconds'] for r in runs) / len(runs):.0f} | "
+                     f"{sum(r.get('skipped_steps', 0) for r in runs)} | {failed[model]} |")
+    return "\n".join(lines)
+
+
+def section(data: dict[str, Any], json_path: Path, plot_path: Path, relative_to: Path) -> str:
+    seeds = sorted({r["seed"] for r in data["runs"].values() if "seed" in r})
+    parts = [f"## {data.get('title', data['experiment'])}", "",
+             f"`{data.get('command', 'titans experiment run ' + data['experiment'])}` → "
+             f"[`{json_path.as_posix()}`]({relative(json_path, relative_to)})"
+             + (f" ({data['tier']} tier)" if data.get("tier") == "quick" else "") + f"; {data.get('machine', '')}"
+             + (f"; seeds {', '.join(map(str, seeds))} (mean, range in brackets)" if len(seeds) > 1 else ""), ""]
+    if data.get("about"):
+        parts += [data["about"], ""]
+    better = "higher is better" if data["higher_is_better"] else "lower is better"
+    parts += [f"Metric: {data['metric']} ({better}; the best of each column in bold).", ""]
+    for name, panel in data["panels"].items():
+        heading = [f"{name}:", ""] if name else []
+        labels = [f"{data.get('x_label', 'x')} {x_text(x)}" if i == 0 else x_text(x) for i, x in enumerate(panel["x"])]
+        parts += heading + [panel_table(data, panel, labels), ""]
+    parts += [f"![{data['experiment']}]({relative(plot_path, relative_to)})", ""]
+    facts = run_facts(data)
+    if facts:
+        parts += [facts, ""]
+    parts += ["What the numbers say (computed from the JSON):", ""] + [f"- {line}" for line in observations(data)]
+    parts.append("")
+    if data.get("discussion"):
+        parts += ["What we think explains them: " + data["discussion"], ""]
+    return "\n".join(parts)
+
+
+def headline(data: dict[str, Any], results_md: str, plot_path: str) -> str:
+    """The README's lines for one experiment: its table at the largest x of each panel, the plot, the link."""
+    panels = data["panels"]
+    last = {"settings": [p["settings"][-1] for p in panels.values()],
+            "higher_is_better": all(panel_better(data, p) for p in panels.values())}
+    if len({panel_better(data, p) for p in panels.values()}) > 1:  # mixed directions: bold per panel is unclear
+        last = {"settings": last["settings"], "higher_is_better": data["higher_is_better"]}
+    labels = [f"{name} {x_text(p['x'][-1])}".strip() for name, p in panels.items()]
+    title = data.get("title", data["experiment"])
+    anchor = "".join(c for c in title.lower().replace(" ", "-") if c.isalnum() or c in "-_")
+    return "\n".join([f"**{title}** ({data['metric']} at the largest {data.get('x_label', 'x')} of each panel; "
+                      f"`{data.get('command', '')}`; [details]({results_md}#{anchor}), [plot]({plot_path}))", "",
+                      panel_table(data, last, labels), ""])
+
+
+def write_report(results_dir: Path, out: Path, readme: Path | None = None) -> Path:
+    """RESULTS.md (and a PNG per experiment beside the JSON) from every results JSON in `results_dir`; with
+    `readme`, its experiments block replaced by the headline tables. Returns the RESULTS.md path."""
+    experiments = load_results(results_dir)
+    if readme is not None:
+        text = readme.read_text()
+        if text.count(README_START) != 1 or text.count(README_END) != 1 or \
+                text.index(README_START) > text.index(README_END):
+            raise ValueError(f"{readme} must hold one {README_START!r} line before one {README_END!r} line")
+    sections = []
+    heads = []
+    for data in experiments:
+        plot_path = results_dir / f"{data['experiment']}.png"
+        plot(data, plot_path)
+        sections.append(section(data, results_dir / f"{data['experiment']}.json", plot_path, out.parent))
+        if readme is not None:
+            heads.append(headline(data, relative(out, readme.parent), relative(plot_path, readme.parent)))
+    intro = ["# Results", "",
+             "Generated by `titans experiment report` from the JSON files in "
+             f"`{results_dir.as_posix()}`; every number below is read from them. Each experiment's grid is "
+             "`configs/experiments/<name>.yaml`; its command reruns it (finished runs are reused).", "", ""]
+    out.write_text("\n".join(intro) + "\n".join(sections))
+    if readme is not None:
+        text = readme.read_text()
+        before, rest = text.split(README_START)
+        _, after = rest.split(README_END)
+        readme.write_text(before + README_START + "\n\n" + "\n".join(heads) + "\n" + README_END + after)
+    return out
+

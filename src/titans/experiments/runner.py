@@ -1,0 +1,193 @@
+"""`titans experiment run`: run an experiment's grid, resumably and side by side, and write its results JSON.
+
+Every training run goes to `<runs>/<experiment>/<run id>`. A run whose directory holds a finished run of exactly its
+config is read back, not trained again; an unfinished one (killed) continues from its last checkpoint; one of another
+config is replaced. Runs go `jobs` at a time, one process and one torch thread each. A run that fails (a config the
+machine cannot hold, too many skipped steps) is recorded with its error and a null result; the rest go on.
+
+The results JSON (`docs/results/<experiment>.json`) holds everything the report needs:
+
+    {"experiment", "title", "about", "discussion", "tier", "command", "machine", "metric", "higher_is_better",
+     "x_label", "x_axis", "panels": {"<panel>": {"settings": [...], "x": [...]}},
+     "results": {"<model>": {"<setting>": value (the mean over seeds), ...}, ...},
+     "spread": {"<model>": {"<setting>": [min, max] over seeds}},
+     "runs": {"<run id>": {"model", "panel", "task", "seed", "config", "num_parameters", "steps", "seconds",
+                           "skipped_steps", "values": {"<setting>": value}, "error"?}}}
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any
+
+from ..train.config import TrainConfig
+from .spec import Experiment, Run, expand
+
+
+def finished(cfg: TrainConfig, run_dir: Path) -> dict[str, Any] | None:
+    """The run's eval.json where `run_dir` holds a finished run of exactly `cfg`, else None."""
+    from ..train.checkpoint import load_checkpoint_config
+
+    result = run_dir / "eval.json"
+    if not result.is_file() or not (run_dir / "config.yaml").is_file():
+        return None
+    try:
+        same = load_checkpoint_config(run_dir).to_dict() == cfg.to_dict()
+    except ValueError:
+        return None
+    return json.loads(result.read_text()) if same else None
+
+
+def resumable(cfg: TrainConfig, run_dir: Path) -> bool:
+    """Whether `run_dir` holds an unfinished run of exactly `cfg` (a killed grid) to continue."""
+    from ..train.checkpoint import load_checkpoint_config
+
+    if not (run_dir / "config.yaml").is_file() or (run_dir / "eval.json").is_file():
+        return False
+    try:
+        return load_checkpoint_config(run_dir).to_dict() == cfg.to_dict()
+    except ValueError:
+        return False
+
+
+def train_one(cfg: TrainConfig, run_dir: Path) -> dict[str, Any]:
+    """Train `cfg` into `run_dir` unless it is already done there: continue an unfinished run of the same config,
+    replace anything else; return the run's eval.json."""
+    from ..train import train
+
+    done = finished(cfg, run_dir)
+    if done is None:
+        resume = resumable(cfg, run_dir)
+        train(cfg, run_dir, quiet=True, resume=resume, force=run_dir.exists() and not resume)
+        done = json.loads((run_dir / "eval.json").read_text())
+    return done
+
+
+def _train_or_error(cfg: TrainConfig, run_dir: Path) -> dict[str, Any]:
+    """`train_one`, with a failure returned as {"error": ...} so that one bad run does not stop the grid."""
+    try:
+        return train_one(cfg, run_dir)
+    except (ValueError, RuntimeError, MemoryError, OSError) as err:
+        return {"error": f"{type(err).__name__}: {' '.join(str(err).split())[:300]}"}
+
+
+def run_parallel(function: Callable[..., Any], calls: list[tuple[Any, ...]], labels: list[str], jobs: int,
+                 describe: Callable[[Any], str], quiet: bool = False) -> list[Any]:
+    """`function(*call)` for every call, `jobs` processes at a time (in this process when jobs is 1), printing one
+    line per finished call; results in the order of `calls`."""
+    results: list[Any] = [None] * len(calls)
+    start = time.perf_counter()
+
+    def report(i: int, done: int) -> None:
+        if not quiet:
+            print(f"[{done}/{len(calls)} {time.perf_counter() - start:6.0f} s] {labels[i]}: {describe(results[i])}",
+                  flush=True)
+
+    if jobs == 1:
+        for i, call in enumerate(calls):
+            results[i] = function(*call)
+            report(i, i + 1)
+        return results
+    with ProcessPoolExecutor(jobs, mp_context=get_context("spawn"), initializer=one_thread) as pool:
+        futures = {pool.submit(function, *call): i for i, call in enumerate(calls)}
+        for done, future in enumerate(as_completed(futures), 1):
+            i = futures[future]
+            results[i] = future.result()
+            report(i, done)
+    return results
+
+
+def one_thread() -> None:
+    import torch
+
+    torch.set_num_threads(1)
+
+
+def describe_run(summary: dict[str, Any]) -> str:
+    if "error" in summary:
+        return summary["error"]
+    values = ", ".join(f"{length}: {m.get('accuracy', m['loss']):.3f}" for length, m in summary["results"].items())
+    return f"{summary['step']} steps in {summary['train_seconds']:.0f} s; {values}"
+
+
+def train_results(exp: Experiment, runs: list[Run], summaries: list[dict[str, Any]]) -> dict[str, Any]:
+    """The JSON's panels, results, spread and runs from the runs' eval.json summaries."""
+    panels: dict[str, dict[str, list]] = {}
+    per_seed: dict[str, dict[str, list[float]]] = {}
+    records = {}
+    for run, summary in zip(runs, summaries):
+        values = {}
+        for length in exp.eval_lengths:
+            setting = run.setting(length, exp)
+            panel = panels.setdefault(run.panel, {"settings": [], "x": []})
+            if setting not in panel["settings"]:
+                panel["settings"].append(setting)
+                panel["x"].append(run.x_of(length, exp))
+            value = None if "error" in summary else summary["results"][str(length)][exp.metric]
+            values[setting] = value
+            per_seed.setdefault(run.model, {}).setdefault(setting, []).append(value)
+        records[run.run_id] = {
+            "model": run.model, "panel": run.panel, "task": run.task, "seed": run.seed,
+            "config": run.config.to_dict(), "values": values,
+            **({"error": summary["error"]} if "error" in summary else {
+                "num_parameters": summary["num_parameters"], "steps": summary["step"],
+                "seconds": round(summary["train_seconds"], 1), "skipped_steps": summary.get("skipped_steps", 0)})}
+    results = {m: {s: mean(v) for s, v in by_setting.items()} for m, by_setting in per_seed.items()}
+    spread = {m: {s: spread_of(v) for s, v in by_setting.items()} for m, by_setting in per_seed.items()}
+    return {"panels": panels, "results": results, "spread": spread, "runs": records}
+
+
+def mean(values: list[float | None]) -> float | None:
+    """The mean of the runs that finished; None when none did."""
+    done = [v for v in values if v is not None]
+    return sum(done) / len(done) if done else None
+
+
+def spread_of(values: list[float | None]) -> list[float] | None:
+    done = [v for v in values if v is not None]
+    return [min(done), max(done)] if done else None
+
+
+def default_jobs() -> int:
+    return max(1, os.cpu_count() or 1)
+
+
+def run_experiment(exp: Experiment, results_dir: Path, runs_dir: Path, jobs: int | None = None,
+                   quick: bool = False, quiet: bool = False) -> Path:
+    """Run `exp` (resumably) and write `<results_dir>/<name>.json`; return its path."""
+    from ..bench import describe_machine
+    from . import measure
+
+    jobs = jobs or default_jobs()
+    results_dir.mkdir(parents=True, exist_ok=True)
+    header = {"experiment": exp.name, "title": exp.title or exp.name, "about": " ".join(exp.about.split()),
+              "discussion": " ".join(exp.discussion.split()), "tier": "quick" if quick else "full", "kind": exp.kind,
+              "command": "titans experiment run " + exp.name + (" --quick" if quick else ""),
+              "machine": describe_machine(), "metric": exp.metric, "higher_is_better": exp.higher_is_better,
+              "x_label": exp.x_label, "x_axis": exp.x_axis}
+    if exp.kind == "train":
+        runs = expand(exp)
+        dirs = [runs_dir / exp.name / run.run_id for run in runs]
+        if not quiet:
+            print(f"{exp.name}: {len(runs)} training runs, {jobs} at a time, in {runs_dir / exp.name}", flush=True)
+        summaries = run_parallel(_train_or_error, list(zip([r.config for r in runs], dirs)),
+                                 [r.run_id for r in runs], jobs, describe_run, quiet)
+        body = train_results(exp, runs, summaries)
+    elif exp.kind == "capacity":
+        body = measure.capacity_results(exp, jobs, quiet)
+    else:
+        body = measure.efficiency_results(exp, jobs, quiet)
+    path = results_dir / f"{exp.name}.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps({**header, **body}, indent=1))
+    tmp.replace(path)  # a reader never sees half a file, and a failed write leaves the last one whole
+    if not quiet:
+        print(f"wrote {path}", file=sys.stderr, flush=True)
+    return path

@@ -1,0 +1,227 @@
+"""An experiment: one YAML file under configs/experiments/ naming a grid, and the runs it expands to.
+
+A `train` experiment is variants × sizes × tasks × seeds training runs, each evaluated at several lengths; its
+table has one row per variant and one column per setting, a (panel, x) pair: the panel is the size (when there are
+several) and the task (when x is the length and there are several tasks), x the evaluation length (`x_axis: length`)
+or the task's own `x` (`x_axis: task`, e.g. the number of key-value pairs). The `capacity` and `efficiency`
+experiments measure instead of training; their grids are in their own sections (see `measure.py`).
+
+`quick` holds changes to the experiment (its sections `base`, `capacity`, `efficiency` merged field by field, other
+fields replaced) that make it a few seconds long: the
+tier the test suite runs, so that the runner, the JSON and the report are tested on every experiment.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+from ..config import Config, read_yaml_mapping
+from ..models.config import VARIANTS
+from ..train.config import RUN_NAME, TrainConfig, load_train_config
+
+
+@dataclasses.dataclass
+class TaskAxis(Config):
+    """One task of the grid: a registered task with its options, and its x value when `x_axis` is `task`."""
+
+    name: str = "passkey"
+    options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    x: Optional[float] = None
+
+
+@dataclasses.dataclass
+class CapacityGrid(Config):
+    """The memory alone at test time: every (memory depth, expansion, chunk size) is written one capacity sequence
+    per pair count and read back (`measure.capacity_point`)."""
+
+    dim: int = 64
+    memory_depths: list[int] = dataclasses.field(default_factory=lambda: [1, 2, 3, 4])
+    expansions: list[int] = dataclasses.field(default_factory=lambda: [1, 2, 4])
+    chunk_sizes: list[int] = dataclasses.field(default_factory=lambda: [1, 16])
+    pair_counts: list[int] = dataclasses.field(default_factory=lambda: [8, 16, 32, 64, 128, 256])
+    thetas: list[float] = dataclasses.field(default_factory=lambda: [0.1, 0.3, 1.0])  # θ tried; the best is kept
+    threshold: float = 0.9  # capacity: the most pairs recalled at least this often
+    batch_size: int = 16
+
+    def validate(self) -> None:
+        for name in ("memory_depths", "expansions", "chunk_sizes", "pair_counts"):
+            if not getattr(self, name) or min(getattr(self, name)) < 1:
+                raise ValueError(f"capacity.{name} must be a non-empty list of integers >= 1")
+        if not self.thetas or min(self.thetas) <= 0:
+            raise ValueError(f"capacity.thetas must be a non-empty list of positive learning rates, got {self.thetas}")
+        if not 0 < self.threshold <= 1:
+            raise ValueError(f"capacity.threshold must be in (0, 1], got {self.threshold}")
+        if self.dim < 2 or self.batch_size < 1:
+            raise ValueError("capacity.dim must be >= 2 and capacity.batch_size >= 1")
+
+
+@dataclasses.dataclass
+class EfficiencyGrid(Config):
+    """Training tokens/s and peak memory of one forward+backward step, and generation tokens/s after a prompt,
+    per variant and sequence length, each point in its own process (`measure.efficiency_point`)."""
+
+    lengths: list[int] = dataclasses.field(default_factory=lambda: [1024, 2048, 4096, 8192, 16384])
+    batch_size: int = 1
+    repeats: int = 2  # timed steps per point (the best is kept)
+    generate_tokens: int = 64  # tokens generated one at a time after a prompt of each length
+    reference: bool = True  # also titans-pytorch's MemoryAsContextTransformer where installed
+    timeout_s: float = 900.0
+    memory_cap_gib: float = 16.0
+
+    def validate(self) -> None:
+        if not self.lengths or min(self.lengths) < 1:
+            raise ValueError(f"efficiency.lengths must be a non-empty list of positive lengths, got {self.lengths}")
+        for name in ("batch_size", "repeats", "generate_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"efficiency.{name} must be >= 1, got {getattr(self, name)}")
+        if self.timeout_s <= 0 or self.memory_cap_gib <= 0:
+            raise ValueError("efficiency.timeout_s and efficiency.memory_cap_gib must be > 0")
+
+
+@dataclasses.dataclass
+class Experiment(Config):
+    name: str = ""
+    title: str = ""
+    about: str = ""  # what is measured and how: RESULTS.md's text above the table
+    discussion: str = ""  # what we think explains the results: RESULTS.md's text below them
+    kind: Literal["train", "capacity", "efficiency"] = "train"
+    metric: str = "accuracy"  # train: the evaluation metric reported (`titans.train.evaluate`'s keys)
+    higher_is_better: bool = True
+    variants: list[str] = dataclasses.field(default_factory=lambda: list(VARIANTS))
+    sizes: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)  # label -> changes to `base`
+    tasks: dict[str, TaskAxis] = dataclasses.field(default_factory=dict)  # label -> task
+    x_axis: Literal["length", "task"] = "length"
+    x_label: str = "context length (tokens)"
+    train_length: int = 256
+    eval_multiples: list[int] = dataclasses.field(default_factory=lambda: [1])
+    seeds: list[int] = dataclasses.field(default_factory=lambda: [0])
+    base: dict[str, Any] = dataclasses.field(default_factory=dict)  # TrainConfig fields shared by every run
+    variant_overrides: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)  # variant -> changes
+    time_budget_s: Optional[float] = None  # per run: training stops (and evaluates) once it took this long
+    stream_piece: Optional[int] = None  # evaluate through the recurrent state in pieces of this many tokens
+    capacity: CapacityGrid = dataclasses.field(default_factory=CapacityGrid)
+    efficiency: EfficiencyGrid = dataclasses.field(default_factory=EfficiencyGrid)
+    quick: dict[str, Any] = dataclasses.field(default_factory=dict)  # changes for the test suite's tier
+
+    def validate(self) -> None:
+        if not RUN_NAME.fullmatch(self.name):
+            raise ValueError(f"experiment name must be letters, digits, '-', '_' and '.', got {self.name!r}")
+        unknown = sorted(set(self.variants) - set(VARIANTS))
+        if unknown or not self.variants:
+            raise ValueError(f"variants must be a non-empty list from {', '.join(VARIANTS)}; unknown: {unknown}")
+        if sorted(set(self.variant_overrides) - set(self.variants)):
+            raise ValueError(f"variant_overrides names variants not in the grid: "
+                             f"{sorted(set(self.variant_overrides) - set(self.variants))}")
+        if self.kind != "train":
+            return
+        if not self.tasks:
+            raise ValueError("a train experiment needs at least one task")
+        if self.x_axis == "task" and any(t.x is None for t in self.tasks.values()):
+            raise ValueError("x_axis: task needs an `x` value on every task")
+        if self.train_length < 1 or not self.eval_multiples or min(self.eval_multiples) < 1:
+            raise ValueError("train_length and eval_multiples must be positive")
+        if not self.seeds or len(set(self.seeds)) != len(self.seeds) or min(self.seeds) < 0:
+            raise ValueError(f"seeds must be distinct non-negative integers, got {self.seeds}")
+        if self.time_budget_s is not None and self.time_budget_s <= 0:
+            raise ValueError(f"time_budget_s must be > 0 (or null), got {self.time_budget_s}")
+        if self.stream_piece is not None and self.stream_piece < 1:
+            raise ValueError(f"stream_piece must be >= 1 (or null), got {self.stream_piece}")
+
+    @property
+    def eval_lengths(self) -> list[int]:
+        return [m * self.train_length for m in self.eval_multiples]
+
+
+MERGED = ("base", "capacity", "efficiency")  # the sections `quick` changes field by field
+
+
+def merge(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
+    """`base` with `changes` applied section by section (nested mappings merge, everything else is replaced)."""
+    merged = dict(base)
+    for key, value in changes.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict) and key not in ("options",):
+            merged[key] = merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def experiments_dir() -> Path:
+    """configs/experiments in the working directory, else in the source checkout this package runs from."""
+    for root in (Path.cwd(), Path(__file__).resolve().parents[3]):
+        if (root / "configs" / "experiments").is_dir():
+            return root / "configs" / "experiments"
+    raise ValueError("no configs/experiments folder found here or in the titans checkout")
+
+
+def experiment_names(folder: Path | None = None) -> list[str]:
+    return sorted(p.stem for p in (folder or experiments_dir()).glob("*.yaml"))
+
+
+def load_experiment(name: str, quick: bool = False, folder: Path | None = None) -> Experiment:
+    """configs/experiments/NAME.yaml (NAME may also be a path to a YAML file), with its quick changes if asked."""
+    path = Path(name) if name.endswith((".yaml", ".yml")) else (folder or experiments_dir()) / f"{name}.yaml"
+    if not path.is_file():
+        known = ", ".join(experiment_names(folder)) if not name.endswith((".yaml", ".yml")) else ""
+        raise ValueError(f"no experiment {name!r} ({path} does not exist)" + (f"; known: {known}" if known else ""))
+    data = read_yaml_mapping(path)
+    if data.get("name", path.stem) != path.stem:
+        raise ValueError(f"{path}: name {data.get('name')!r} must be the file's name {path.stem!r}")
+    data.setdefault("name", path.stem)
+    if quick:  # the grid's sections (base, capacity, efficiency) merge; every other field is replaced
+        data = {**data, **{key: merge(data.get(key) or {}, value) if key in MERGED else value
+                           for key, value in (data.get("quick") or {}).items()}}
+    return Experiment.from_dict(data)
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """One training run of a train experiment: where its numbers go in the table, and its config."""
+
+    run_id: str
+    model: str  # the table's row: the variant
+    panel: str  # the plot panel / column group ("" when there is one)
+    task: str  # the task label
+    seed: int
+    config: TrainConfig
+
+    def x_of(self, length: int, exp: Experiment) -> float:
+        return float(length) if exp.x_axis == "length" else float(exp.tasks[self.task].x)
+
+    def setting(self, length: int, exp: Experiment) -> str:
+        """The table's column of this run's result at `length`: `panel/x`, or `x` alone."""
+        x = self.x_of(length, exp)
+        label = f"{x:g}"
+        return f"{self.panel}/{label}" if self.panel else label
+
+
+def expand(exp: Experiment) -> list[Run]:
+    """Every training run of a train experiment, in the order they are run (the slowest variants first, so that
+    the parallel workers finish together)."""
+    sizes = exp.sizes or {"": {}}
+    runs = []
+    for variant in exp.variants:
+        for size_label, size in sizes.items():
+            for task_label, task in exp.tasks.items():
+                for seed in exp.seeds:
+                    panel_parts = ([size_label] if len(sizes) > 1 else []) + (
+                        [task_label] if exp.x_axis == "length" and len(exp.tasks) > 1 else [])
+                    run_id = "-".join(p for p in (variant, size_label, task_label, f"s{seed}") if p)
+                    data = merge(exp.base, size)
+                    data = merge(data, exp.variant_overrides.get(variant, {}))
+                    data = merge(data, {
+                        "name": run_id, "model": {"variant": variant}, "seed": seed,
+                        "task": {"name": task.name, "options": task.options, "train_length": exp.train_length,
+                                 "eval_lengths": exp.eval_lengths},
+                        "time_budget_s": exp.time_budget_s, "checkpoint_every": data.get("checkpoint_every", 100),
+                        "threads": 1, "tensorboard": False})
+                    try:
+                        cfg = load_train_config(data=data)
+                    except ValueError as err:
+                        raise ValueError(f"experiment {exp.name}, run {run_id}: {err}") from None
+                    runs.append(Run(run_id, variant, "/".join(panel_parts), task_label, seed, cfg))
+    slow_first = {v: i for i, v in enumerate(("mac", "mag", "mal", "lmm", "gated_deltanet", "transformer", "swa",
+                                               "lstm"))}
+    return sorted(runs, key=lambda r: slow_first[r.config.model.variant])

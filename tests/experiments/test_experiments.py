@@ -1,0 +1,218 @@
+"""The experiment runner: every shipped experiment's quick tier end to end (grid → runs → JSON → report), resuming,
+failures, the capacity reader and the command line."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from titans.cli import app
+from titans.experiments import expand, experiment_names, load_experiment, run_experiment, write_report
+from titans.experiments.measure import memory_reader
+from titans.experiments.report import README_END, README_START, load_results
+from titans.experiments.runner import _train_or_error, resumable, train_one
+from titans.tasks import measure_capacity
+from titans.train import build_model, build_task, train
+
+ROOT = Path(__file__).resolve().parents[2]
+FOLDER = ROOT / "configs" / "experiments"
+ISSUE_EXPERIMENTS = {"niah", "babilong", "mqar", "long", "capacity", "efficiency"}
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def quick_results(tmp_path_factory):
+    """Every shipped experiment's quick tier, run once for the module: (results dir, runs dir)."""
+    root = tmp_path_factory.mktemp("experiments")
+    for name in experiment_names(FOLDER):
+        run_experiment(load_experiment(name, quick=True, folder=FOLDER), root / "results", root / "runs", jobs=1,
+                       quick=True, quiet=True)
+    return root / "results", root / "runs"
+
+
+def test_the_issue_experiments_are_shipped_and_load_in_both_tiers():
+    assert ISSUE_EXPERIMENTS <= set(experiment_names(FOLDER))
+    for name in experiment_names(FOLDER):
+        full, quick = load_experiment(name, folder=FOLDER), load_experiment(name, quick=True, folder=FOLDER)
+        assert full.name == quick.name == name and full.title and full.about
+        if full.kind == "train":
+            assert len(expand(quick)) < len(expand(full))
+
+
+@pytest.mark.parametrize("name", ["niah", "babilong", "mqar", "long"])
+def test_full_grids_are_parameter_matched(name):
+    """Within a size, every variant of a train experiment has the same parameters to within 2%."""
+    exp = load_experiment(name, folder=FOLDER)
+    by_size: dict[tuple, list[int]] = {}
+    for run in expand(exp):
+        if run.seed != exp.seeds[0]:
+            continue
+        cfg = run.config
+        count = sum(p.numel() for p in build_model(cfg, build_task(cfg)).parameters())
+        by_size.setdefault((run.panel, cfg.model.dim), []).append(count)
+    for counts in by_size.values():
+        assert max(counts) / min(counts) < 1.02, counts
+
+
+def test_quick_results_hold_what_the_issue_names(quick_results):
+    results_dir, _ = quick_results
+    for data in load_results(results_dir):
+        assert data["tier"] == "quick" and isinstance(data["higher_is_better"], bool)
+        settings = [s for panel in data["panels"].values() for s in panel["settings"]]
+        assert settings and all(len(p["settings"]) == len(p["x"]) for p in data["panels"].values())
+        for model, by_setting in data["results"].items():
+            assert set(by_setting) == set(settings), (data["experiment"], model)
+            assert all(v is None or v == v for v in by_setting.values())
+        for run in data["runs"].values():
+            assert run["model"] in data["results"] and set(run["values"]) <= set(settings)
+        if data["kind"] == "train":
+            exp = load_experiment(data["experiment"], quick=True, folder=FOLDER)
+            assert len(data["runs"]) == len(expand(exp))
+            for run in data["runs"].values():
+                assert {"config", "num_parameters", "seconds", "seed", "steps"} <= set(run)
+                assert run["steps"] == exp.base["steps"]
+                if "accuracy" in data["metric"]:
+                    assert all(0 <= v <= 1 for v in run["values"].values())
+
+
+def test_results_are_the_mean_over_seeds_of_the_runs(quick_results):
+    results_dir, _ = quick_results
+    data = json.loads((results_dir / "mqar.json").read_text())
+    for model, by_setting in data["results"].items():
+        for setting, value in by_setting.items():
+            values = [r["values"][setting] for r in data["runs"].values()
+                      if r["model"] == model and setting in r["values"]]
+            assert value == pytest.approx(sum(values) / len(values))
+
+
+def test_a_finished_grid_is_read_back_not_trained_again(quick_results, tmp_path, monkeypatch):
+    results_dir, runs_dir = quick_results
+    before = json.loads((results_dir / "niah.json").read_text())
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("a finished run was trained again")
+
+    monkeypatch.setattr("titans.train.train", no_training)
+    path = run_experiment(load_experiment("niah", quick=True, folder=FOLDER), tmp_path, runs_dir, jobs=1,
+                          quick=True, quiet=True)
+    after = json.loads(path.read_text())
+    assert after["results"] == before["results"]
+
+
+def test_a_killed_run_continues_from_its_checkpoint(tmp_path, monkeypatch):
+    run = expand(load_experiment("long", quick=True, folder=FOLDER))[0]
+    cfg = run.config.replace(steps=4, checkpoint_every=2)
+    run_dir = tmp_path / run.run_id
+    train(cfg.replace(steps=2), run_dir, quiet=True)  # stands for the run killed after its step-2 checkpoint:
+    (run_dir / "eval.json").unlink()  # no result yet, and the run directory's config is the 4-step run's
+    cfg.to_yaml(run_dir / "config.yaml")
+    assert resumable(cfg, run_dir) and not resumable(cfg.replace(seed=1), run_dir)
+    calls = []
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return train(*args, **kwargs)
+
+    monkeypatch.setattr("titans.train.train", spy)
+    done = train_one(cfg, run_dir)
+    assert done["step"] == 4 and calls[0]["resume"] and not calls[0]["force"]
+    assert not resumable(cfg, run_dir)  # finished now
+    assert train_one(cfg, run_dir) == done and len(calls) == 1
+
+
+def test_a_failed_run_is_recorded_and_the_grid_goes_on(tmp_path):
+    run = expand(load_experiment("long", quick=True, folder=FOLDER))[0]
+    blocker = tmp_path / "file"
+    blocker.write_text("not a run directory")
+    summary = _train_or_error(run.config, blocker)
+    assert "error" in summary and blocker.read_text() == "not a run directory"
+
+
+def test_report_is_written_from_the_json_alone(quick_results, tmp_path):
+    results_dir, _ = quick_results
+    copied = tmp_path / "results"
+    shutil.copytree(results_dir, copied)
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n{README_START}\nold block\n{README_END}\noutro\n")
+    out = write_report(copied, tmp_path / "RESULTS.md", readme)
+    text = out.read_text()
+    for data in load_results(copied):
+        assert data["title"] in text and (copied / f"{data['experiment']}.png").stat().st_size > 1000
+        assert data["command"] in text
+    mqar = json.loads((copied / "mqar.json").read_text())
+    value = mqar["results"]["lstm"]["dim16/2"]
+    assert f"{value:.2f}" in text
+    block = readme.read_text()
+    assert block.startswith("intro\n") and block.endswith("outro\n") and "old block" not in block
+    assert "RESULTS.md" in block and block.count("|---|") == len(ISSUE_EXPERIMENTS)
+
+
+def test_report_refuses_bad_input_and_changes_nothing(tmp_path):
+    with pytest.raises(ValueError, match="no results JSON"):
+        write_report(tmp_path, tmp_path / "RESULTS.md")
+    (tmp_path / "x.json").write_text('{"experiment": "x"}')
+    with pytest.raises(ValueError, match="missing"):
+        write_report(tmp_path, tmp_path / "RESULTS.md")
+    assert not (tmp_path / "RESULTS.md").exists()
+
+
+def test_readme_without_the_block_is_left_alone(quick_results, tmp_path):
+    results_dir, _ = quick_results
+    readme = tmp_path / "README.md"
+    readme.write_text("no markers here\n")
+    with pytest.raises(ValueError, match="experiments:start"):
+        write_report(results_dir, tmp_path / "RESULTS.md", readme)
+    assert readme.read_text() == "no markers here\n" and not (tmp_path / "RESULTS.md").exists()
+
+
+def test_capacity_reader_writes_and_reads_a_matrix_memory():
+    """One pass of the default rule into a depth-1 memory recalls a few random pairs; far more pairs than the
+    head width cannot all be held."""
+    predict = memory_reader(64, 1, 1, 1, theta=0.5, vocab=1026)
+    result = measure_capacity(predict, [4, 512], threshold=0.9, vocab=1026, batch_size=4)
+    assert result.accuracy[4] >= 0.9 and result.accuracy[512] < 0.9
+
+
+def test_cli_lists_runs_and_reports(quick_results, tmp_path):
+    runner = CliRunner()
+    listed = runner.invoke(app, ["experiment", "list"])
+    assert listed.exit_code == 0 and all(name in listed.output for name in ISSUE_EXPERIMENTS)
+    bad = runner.invoke(app, ["experiment", "run", "no-such-experiment"])
+    assert bad.exit_code == 2 and "no experiment" in bad.output
+    results_dir, _ = quick_results
+    report = runner.invoke(app, ["experiment", "report", "--results-dir", str(results_dir),
+                                 "--out", str(tmp_path / "R.md"), "--no-update-readme"])
+    assert report.exit_code == 0, report.output
+    assert (tmp_path / "R.md").is_file()
+
+
+def test_bad_experiment_files_name_the_problem(tmp_path):
+    (tmp_path / "bad.yaml").write_text("tasks: {a: {name: passkey}}\nvariants: [lmm, gpt]\n")
+    with pytest.raises(ValueError, match="gpt"):
+        load_experiment("bad", folder=tmp_path)
+    (tmp_path / "other.yaml").write_text("name: different\n")
+    with pytest.raises(ValueError, match="must be the file's name"):
+        load_experiment("other", folder=tmp_path)
+    (tmp_path / "typo.yaml").write_text("tasks: {a: {name: passkey}}\nseeds: [0, 0]\n")
+    with pytest.raises(ValueError, match="seeds"):
+        load_experiment("typo", folder=tmp_path)
+    (tmp_path / "task.yaml").write_text("tasks: {a: {name: passkey, options: {vocab: 2}}}\n")
+    with pytest.raises(ValueError, match="run lmm-s0|vocab"):
+        expand(load_experiment("task", folder=tmp_path))
+
+
+def test_streamed_evaluation_matches_whole_sequences():
+    from titans.train.loop import evaluate
+
+    exp = load_experiment("long", quick=True, folder=FOLDER)
+    for run in expand(exp):
+        cfg = run.config
+        task = build_task(cfg)
+        torch.manual_seed(0)
+        model = build_model(cfg, task).double()
+        whole = evaluate(model, task, [64], 1, 2)
+        pieces = evaluate(model, task, [64], 1, 2, piece=7)
+        assert pieces[64]["loss"] == pytest.approx(whole[64]["loss"], rel=1e-9)
