@@ -190,8 +190,8 @@ def poison_steps(monkeypatch, steps):
     calls = {"n": 0}
     real = loop.loss_terms
 
-    def loss_terms(model, batch, device):
-        total, outputs = real(model, batch, device)
+    def loss_terms(model, batch, device, piece=None):
+        total, outputs = real(model, batch, device, piece)
         if torch.is_grad_enabled():  # training, not evaluation
             calls["n"] += 1
             if calls["n"] in steps:

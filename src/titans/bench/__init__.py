@@ -224,7 +224,8 @@ def recall(
     from multiprocessing import get_context
 
     from ..models import VARIANTS
-    from .recall import MULTIPLES, SIZES, TASKS, collect, format_table, recall_config, train_one
+    from ..experiments import train_one
+    from .recall import MULTIPLES, SIZES, TASKS, collect, format_table, recall_config
 
     chosen_variants = _choices(variants, "variants", VARIANTS)
     chosen_tasks = _choices(tasks, "tasks", tuple(TASKS))

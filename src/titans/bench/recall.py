@@ -6,12 +6,11 @@ then evaluated at 1×, 4× and 8× the training length on held-out sequences. Th
 gates' initialisation, the bounds) are never set here: this measures the defaults.
 
 Runs go to `<run_dir>/<variant>-<task>-s<seed>`; a run whose directory already holds its result for the same config
-is not trained again, so a killed benchmark continues where it stopped.
+is not trained again, and an unfinished one continues from its checkpoint (`experiments.runner.train_one`).
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,31 +51,6 @@ def recall_config(variant: str, task: str, seed: int, steps: int, train_length: 
         "steps": steps, "batch_size": 32, "seed": seed, "eval_batches": 4, "eval_batch_size": 64,
         "checkpoint_every": 0, "log_every": 50, "threads": 1, "tensorboard": False,
     })
-
-
-def finished(cfg: TrainConfig, run_dir: Path) -> dict[str, Any] | None:
-    """The run's eval.json where `run_dir` holds a finished run of exactly `cfg`, else None."""
-    from ..train.checkpoint import load_checkpoint_config
-
-    result = run_dir / "eval.json"
-    if not result.is_file() or not (run_dir / "config.yaml").is_file():
-        return None
-    try:
-        same = load_checkpoint_config(run_dir).to_dict() == cfg.to_dict()
-    except ValueError:
-        return None
-    return json.loads(result.read_text()) if same else None
-
-
-def train_one(cfg: TrainConfig, run_dir: Path) -> dict[str, Any]:
-    """Train `cfg` into `run_dir` (replacing an unfinished or different run there) unless it is already done."""
-    from ..train import train
-
-    done = finished(cfg, run_dir)
-    if done is None:
-        train(cfg, run_dir, quiet=True, force=run_dir.exists())
-        done = json.loads((run_dir / "eval.json").read_text())
-    return done
 
 
 def collect(cfg: TrainConfig, summary: dict[str, Any]) -> dict[str, Any]:
