@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from ..tasks.recall import CapacityOptions, Capacity, measure_capacity
-from .spec import Experiment
+from .spec import Experiment, merge
 
 # ------------------------------------------------------------------------------------------------------- capacity
 
@@ -187,20 +187,20 @@ def efficiency_results(exp: Experiment, jobs: int, quiet: bool = False) -> dict[
     from .runner import run_parallel
 
     grid = exp.efficiency
-    impls = list(exp.variants)
+    models = {variant: {"variant": variant} for variant in exp.variants}
+    models.update(grid.extra_models)
     if grid.reference and reference_available():
-        impls.append(REFERENCE)
+        models[REFERENCE] = {}
     elif grid.reference and not quiet:
         print("titans-pytorch is not installed (pip install -c constraints.txt '.[compare]'): ours only", flush=True)
     specs, labels = [], []
-    for impl in impls:
+    for impl, changes in models.items():
         model = {}
         if impl != REFERENCE:
-            data = {**exp.base, "model": {**exp.base.get("model", {}), "variant": impl}}
-            model = load_train_config(data=data).model.to_dict()
+            model = load_train_config(data=merge(exp.base, {"model": changes})).model.to_dict()
         for length in grid.lengths:
             specs.append({"impl": impl, "model": model, "length": length, "batch_size": grid.batch_size,
-                          "repeats": grid.repeats, "generate_tokens": grid.generate_tokens, "threads": None})
+                          "repeats": grid.repeats, "generate_tokens": grid.generate_tokens, "threads": grid.threads})
             labels.append(f"{impl} {length}")
     points = run_parallel(efficiency_point, [(s, grid.memory_cap_gib, grid.timeout_s) for s in specs], labels, 1,
                           lambda p: p["status"] if p["status"] != "ok" else

@@ -6,8 +6,8 @@ several) and the task (when x is the length and there are several tasks), x the 
 or the task's own `x` (`x_axis: task`, e.g. the number of key-value pairs). The `capacity` and `efficiency`
 experiments measure instead of training; their grids are in their own sections (see `measure.py`).
 
-`quick` holds changes to the experiment (its sections `base`, `capacity`, `efficiency` merged field by field, other
-fields replaced) that make it a few seconds long: the
+`quick` holds changes to the experiment (`base` merged field by field, `capacity` and `efficiency` at their top
+level, other fields replaced) that make it a few seconds long: the
 tier the test suite runs, so that the runner, the JSON and the report are tested on every experiment.
 """
 
@@ -67,6 +67,8 @@ class EfficiencyGrid(Config):
     repeats: int = 2  # timed steps per point (the best is kept)
     generate_tokens: int = 64  # tokens generated one at a time after a prompt of each length
     reference: bool = True  # also titans-pytorch's MemoryAsContextTransformer where installed
+    extra_models: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)  # label -> model changes
+    threads: Optional[int] = None  # torch threads per point; None: torch's default (every core: run nothing beside)
     timeout_s: float = 900.0
     memory_cap_gib: float = 16.0
 
@@ -170,9 +172,13 @@ def load_experiment(name: str, quick: bool = False, folder: Path | None = None) 
     if data.get("name", path.stem) != path.stem:
         raise ValueError(f"{path}: name {data.get('name')!r} must be the file's name {path.stem!r}")
     data.setdefault("name", path.stem)
-    if quick:  # the grid's sections (base, capacity, efficiency) merge; every other field is replaced
-        data = {**data, **{key: merge(data.get(key) or {}, value) if key in MERGED else value
-                           for key, value in (data.get("quick") or {}).items()}}
+    if quick:  # base merges field by field at every level, capacity and efficiency at the top; the rest is replaced
+        full, changes = data, data.get("quick") or {}
+        data = {**full, **changes}
+        for key in MERGED:
+            if key in changes:
+                old = full.get(key) or {}
+                data[key] = merge(old, changes[key]) if key == "base" else {**old, **changes[key]}
     return Experiment.from_dict(data)
 
 
