@@ -40,6 +40,8 @@ def test_the_issue_experiments_are_shipped_and_load_in_both_tiers():
         assert full.name == quick.name == name and full.title and full.about
         if full.kind == "train":
             assert len(expand(quick)) < len(expand(full))
+            for run in expand(full):  # every run keeps to the experiment's time budget, on one thread
+                assert run.config.time_budget_s == full.time_budget_s and run.config.threads == 1
 
 
 @pytest.mark.parametrize("name", ["niah", "babilong", "mqar", "long"])
