@@ -104,6 +104,23 @@ def test_a_finished_grid_is_read_back_not_trained_again(quick_results, tmp_path,
     assert after["results"] == before["results"]
 
 
+@pytest.mark.parametrize("name, point", [("capacity", "capacity_point"), ("efficiency", "efficiency_point")])
+def test_measured_points_are_read_back_until_the_grid_changes(quick_results, tmp_path, monkeypatch, name, point):
+    results_dir, runs_dir = quick_results
+    before = json.loads((results_dir / f"{name}.json").read_text())
+
+    def no_measuring(*args, **kwargs):
+        raise AssertionError("a measured point was measured again")
+
+    monkeypatch.setattr(f"titans.experiments.measure.{point}", no_measuring)
+    exp = load_experiment(name, quick=True, folder=FOLDER)
+    after = json.loads(run_experiment(exp, tmp_path, runs_dir, jobs=1, quick=True, quiet=True).read_text())
+    assert after["results"] == before["results"]
+    changed = exp.replace(**{name: {**getattr(exp, name).to_dict(), "batch_size": 3}})
+    with pytest.raises(AssertionError, match="measured again"):
+        run_experiment(changed, tmp_path, runs_dir, jobs=1, quick=True, quiet=True)
+
+
 def test_a_killed_run_continues_from_its_checkpoint(tmp_path, monkeypatch):
     run = expand(load_experiment("long", quick=True, folder=FOLDER))[0]
     cfg = run.config.replace(steps=4, checkpoint_every=2)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -81,15 +82,18 @@ def capacity_point(grid: dict[str, Any], memory_depth: int, expansion: int, chun
     return {"capacity": by_theta[best]["capacity"], "theta": float(best), "by_theta": by_theta}
 
 
-def capacity_results(exp: Experiment, jobs: int, quiet: bool = False) -> dict[str, Any]:
-    """The capacity JSON body: one row per memory depth, one panel per chunk size, x the expansion."""
-    from .runner import run_parallel
+def capacity_results(exp: Experiment, points_dir: Path, jobs: int, quiet: bool = False) -> dict[str, Any]:
+    """The capacity JSON body: one row per memory depth, one panel per chunk size, x the expansion. Each shape's
+    result is kept in `points_dir` and reused while the grid's settings stay the same."""
+    from .runner import cached, run_parallel
 
     grid = exp.capacity
     shapes = [(d, e, c) for c in grid.chunk_sizes for d in grid.memory_depths for e in grid.expansions]
     labels = [f"depth{d}-expansion{e}-chunk{c}" for d, e, c in shapes]
-    points = run_parallel(capacity_point, [(grid.to_dict(), *shape) for shape in shapes], labels, jobs,
-                          lambda p: f"capacity {p['capacity']} at theta {p['theta']}", quiet)
+    calls = [(points_dir / f"{label}.json", capacity_point, grid.to_dict(), *shape)
+             for label, shape in zip(labels, shapes)]
+    points = run_parallel(cached, calls, labels, jobs, lambda p: f"capacity {p['capacity']} at theta {p['theta']}",
+                          quiet)
     panels: dict[str, dict[str, list]] = {}
     results: dict[str, dict[str, float]] = {}
     runs = {}
@@ -171,20 +175,22 @@ def efficiency_worker(spec: dict[str, Any]) -> dict[str, Any]:
             "num_parameters": sum(p.numel() for p in model.parameters())}
 
 
-def efficiency_point(spec: dict[str, Any], memory_cap_gib: float, timeout_s: float) -> dict[str, Any]:
+def efficiency_point(spec: dict[str, Any], memory_cap_gib: float, timeout_s: float, machine: str) -> dict[str, Any]:
+    """One point in its own process; `machine` (unused here) keys the cached result to the machine that measured it."""
     from ..bench.memory import run_isolated
 
     status, point = run_isolated("titans.experiments.measure", spec, memory_cap_gib, timeout_s)
     return {"status": status, **(point or {})}
 
 
-def efficiency_results(exp: Experiment, jobs: int, quiet: bool = False) -> dict[str, Any]:
+def efficiency_results(exp: Experiment, points_dir: Path, quiet: bool = False) -> dict[str, Any]:
     """The efficiency JSON body: one row per variant (and the reference), panels for training tokens/s, peak memory
-    and generation tokens/s, x the sequence length. Points run one at a time (`jobs` is not used): timings taken
-    side by side would measure each other."""
+    and generation tokens/s, x the sequence length. Points run one at a time: timings taken side by side would
+    measure each other. Each point is kept in `points_dir` and reused on the same machine with the same settings."""
+    from ..bench import describe_machine
     from ..bench.memory import reference_available
     from ..train.config import load_train_config
-    from .runner import run_parallel
+    from .runner import cached, run_parallel
 
     grid = exp.efficiency
     models = {variant: {"variant": variant} for variant in exp.variants}
@@ -202,7 +208,10 @@ def efficiency_results(exp: Experiment, jobs: int, quiet: bool = False) -> dict[
             specs.append({"impl": impl, "model": model, "length": length, "batch_size": grid.batch_size,
                           "repeats": grid.repeats, "generate_tokens": grid.generate_tokens, "threads": grid.threads})
             labels.append(f"{impl} {length}")
-    points = run_parallel(efficiency_point, [(s, grid.memory_cap_gib, grid.timeout_s) for s in specs], labels, 1,
+    machine = describe_machine()
+    calls = [(points_dir / f"{label.replace(' ', '-')}.json", efficiency_point, spec, grid.memory_cap_gib,
+              grid.timeout_s, machine) for label, spec in zip(labels, specs)]
+    points = run_parallel(cached, calls, labels, 1,
                           lambda p: p["status"] if p["status"] != "ok" else
                           f"train {p['train_tokens_per_s']:.0f} tok/s, peak {p['peak_mib']:.0f} MiB, "
                           f"generate {p['generate_tokens_per_s']:.0f} tok/s", quiet)

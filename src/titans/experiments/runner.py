@@ -78,6 +78,26 @@ def _train_or_error(cfg: TrainConfig, run_dir: Path) -> dict[str, Any]:
         return {"error": f"{type(err).__name__}: {' '.join(str(err).split())[:300]}"}
 
 
+def cached(path: Path, function: Callable[..., Any], *args: Any) -> Any:
+    """`function(*args)`, or the result stored at `path` by an earlier call with the same arguments: measurements
+    resume like training runs. A result with a failed `status` is not stored, so that a rerun tries again."""
+    key = json.dumps(args, sort_keys=True, default=str)
+    if path.is_file():
+        try:
+            saved = json.loads(path.read_text())
+        except ValueError:
+            saved = {}
+        if saved.get("key") == key:
+            return saved["result"]
+    result = function(*args)
+    if not (isinstance(result, dict) and result.get("status", "ok") != "ok"):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps({"key": key, "result": result}))
+        tmp.replace(path)
+    return result
+
+
 def run_parallel(function: Callable[..., Any], calls: list[tuple[Any, ...]], labels: list[str], jobs: int,
                  describe: Callable[[Any], str], quiet: bool = False) -> list[Any]:
     """`function(*call)` for every call, `jobs` processes at a time (in this process when jobs is 1), printing one
@@ -181,9 +201,9 @@ def run_experiment(exp: Experiment, results_dir: Path, runs_dir: Path, jobs: int
                                  [r.run_id for r in runs], jobs, describe_run, quiet)
         body = train_results(exp, runs, summaries)
     elif exp.kind == "capacity":
-        body = measure.capacity_results(exp, jobs, quiet)
+        body = measure.capacity_results(exp, runs_dir / exp.name, jobs, quiet)
     else:
-        body = measure.efficiency_results(exp, jobs, quiet)
+        body = measure.efficiency_results(exp, runs_dir / exp.name, quiet)
     path = results_dir / f"{exp.name}.json"
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps({**header, **body}, indent=1))
