@@ -58,13 +58,15 @@ def panel_better(data: dict[str, Any], panel: dict[str, Any]) -> bool:
     return panel.get("higher_is_better", data["higher_is_better"])
 
 
-def panel_table(data: dict[str, Any], panel: dict[str, Any], labels: list[str]) -> str:
+def panel_table(data: dict[str, Any], panel: dict[str, Any], labels: list[str],
+                higher_is_better: list[bool] | None = None) -> str:
     """Markdown: one row per model, one column per setting of `panel` (headed by `labels`); the best value of a
-    column in bold, the seeds' range beside the mean where there are several."""
+    column in bold (by `higher_is_better` per column, default the panel's), the seeds' range beside the mean where
+    there are several."""
     spread = data.get("spread", {})
-    better = panel_better(data, panel)
+    directions = higher_is_better or [panel_better(data, panel)] * len(panel["settings"])
     best = {}
-    for setting in panel["settings"]:
+    for setting, better in zip(panel["settings"], directions):
         values = [r.get(setting) for r in data["results"].values() if r.get(setting) is not None]
         if len(set(values)) > 1:  # a column where every model ties has no best
             best[setting] = max(values) if better else min(values)
@@ -103,7 +105,7 @@ def plot(data: dict[str, Any], path: Path) -> None:
             ax.set_xscale("log", base=2)
             ax.set_xticks(xs, [x_text(x) for x in xs], fontsize=7)
         ax.set_xlabel(data.get("x_label", "x"), fontsize=8)
-        ax.set_ylabel(panel.get("metric", data["metric"]) if name not in data["metric"] else name, fontsize=8)
+        ax.set_ylabel(name if "higher_is_better" in panel else data["metric"], fontsize=8)  # a panel with its own metric
         if "accuracy" in data["metric"]:
             ax.set_ylim(-0.02, 1.02)
         elif data["metric"] != "capacity":
@@ -141,6 +143,14 @@ def observations(data: dict[str, Any]) -> list[str]:
             line += f"; best Titans variant {a} {fmt(ours[a], data['metric'])} against best baseline {b} " \
                     f"{fmt(theirs[b], data['metric'])}"
         lines.append(line + ".")
+    for model, against in data.get("compare", []):
+        for name, panel in data["panels"].items():
+            mine, theirs = data["results"].get(model, {}), data["results"].get(against, {})
+            ratios = [f"{x_text(x)}: {mine[s] / theirs[s]:.2f}×" for x, s in zip(panel["x"], panel["settings"])
+                      if mine.get(s) is not None and theirs.get(s)]
+            if ratios:
+                lines.append(f"{name or data['metric']}, {model} / {against} ({data.get('x_label', 'x')}): "
+                             + ", ".join(ratios) + ".")
     return lines
 
 
@@ -193,16 +203,13 @@ def section(data: dict[str, Any], json_path: Path, plot_path: Path, relative_to:
 def headline(data: dict[str, Any], results_md: str, plot_path: str) -> str:
     """The README's lines for one experiment: its table at the largest x of each panel, the plot, the link."""
     panels = data["panels"]
-    last = {"settings": [p["settings"][-1] for p in panels.values()],
-            "higher_is_better": all(panel_better(data, p) for p in panels.values())}
-    if len({panel_better(data, p) for p in panels.values()}) > 1:  # mixed directions: bold per panel is unclear
-        last = {"settings": last["settings"], "higher_is_better": data["higher_is_better"]}
-    labels = [f"{name} {x_text(p['x'][-1])}".strip() for name, p in panels.items()]
+    last = {"settings": [p["settings"][-1] for p in panels.values()]}
+    labels = [name or x_text(p["x"][-1]) for name, p in panels.items()]
     title = data.get("title", data["experiment"])
     anchor = "".join(c for c in title.lower().replace(" ", "-") if c.isalnum() or c in "-_")
     return "\n".join([f"**{title}** ({data['metric']} at the largest {data.get('x_label', 'x')} of each panel; "
                       f"`{data.get('command', '')}`; [details]({results_md}#{anchor}), [plot]({plot_path}))", "",
-                      panel_table(data, last, labels), ""])
+                      panel_table(data, last, labels, [panel_better(data, p) for p in panels.values()]), ""])
 
 
 def write_report(results_dir: Path, out: Path, readme: Path | None = None) -> Path:

@@ -191,7 +191,7 @@ def run_experiment(exp: Experiment, results_dir: Path, runs_dir: Path, jobs: int
               "discussion": " ".join(exp.discussion.split()), "tier": "quick" if quick else "full", "kind": exp.kind,
               "command": "titans experiment run " + exp.name + (" --quick" if quick else ""),
               "machine": describe_machine(), "metric": exp.metric, "higher_is_better": exp.higher_is_better,
-              "x_label": exp.x_label, "x_axis": exp.x_axis}
+              "x_label": exp.x_label, "x_axis": exp.x_axis, "compare": [list(pair) for pair in exp.compare]}
     if exp.kind == "train":
         runs = expand(exp)
         dirs = [runs_dir / exp.name / run.run_id for run in runs]

@@ -105,6 +105,7 @@ class Experiment(Config):
     stream_piece: Optional[int] = None  # evaluate through the recurrent state in pieces of this many tokens
     capacity: CapacityGrid = dataclasses.field(default_factory=CapacityGrid)
     efficiency: EfficiencyGrid = dataclasses.field(default_factory=EfficiencyGrid)
+    compare: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (model, against): ratios reported
     quick: dict[str, Any] = dataclasses.field(default_factory=dict)  # changes for the test suite's tier
 
     def validate(self) -> None:
