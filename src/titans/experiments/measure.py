@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ..tasks.recall import CapacityOptions, Capacity, measure_capacity
+from ..tasks.recall import Capacity, CapacityOptions, measure_capacity
 from .spec import Experiment, merge
 
 # ------------------------------------------------------------------------------------------------------- capacity

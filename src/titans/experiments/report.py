@@ -105,7 +105,7 @@ def plot(data: dict[str, Any], path: Path) -> None:
             ax.set_xscale("log", base=2)
             ax.set_xticks(xs, [x_text(x) for x in xs], fontsize=7)
         ax.set_xlabel(data.get("x_label", "x"), fontsize=8)
-        ax.set_ylabel(name if "higher_is_better" in panel else data["metric"], fontsize=8)  # a panel with its own metric
+        ax.set_ylabel(name if "higher_is_better" in panel else data["metric"], fontsize=8)  # a panel with own metric
         if "accuracy" in data["metric"]:
             ax.set_ylim(-0.02, 1.02)
         elif data["metric"] != "capacity":

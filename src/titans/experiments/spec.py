@@ -41,7 +41,7 @@ class CapacityGrid(Config):
     expansions: list[int] = dataclasses.field(default_factory=lambda: [1, 2, 4])
     chunk_sizes: list[int] = dataclasses.field(default_factory=lambda: [1, 16])
     pair_counts: list[int] = dataclasses.field(default_factory=lambda: [8, 16, 32, 64, 128, 256])
-    thetas: list[float] = dataclasses.field(default_factory=lambda: [0.1, 0.3, 1.0, 3.0, 10.0, 30.0])  # the best is kept
+    thetas: list[float] = dataclasses.field(default_factory=lambda: [0.1, 0.3, 1.0, 3.0, 10.0, 30.0])  # best kept
     threshold: float = 0.9  # capacity: the most pairs recalled at least this often
     batch_size: int = 16
 
