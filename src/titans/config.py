@@ -185,6 +185,15 @@ class Config:
         Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
 
 
+def shipped_configs(kind: str) -> Path | None:
+    """configs/<kind> (holding YAML files) in the working directory, else in the source checkout this package runs
+    from; None where neither has one."""
+    for root in (Path.cwd(), Path(__file__).resolve().parents[2]):
+        if any((root / "configs" / kind).glob("*.yaml")):
+            return root / "configs" / kind
+    return None
+
+
 def read_yaml_mapping(path: str | Path) -> dict[str, Any]:
     """The mapping at the top of a YAML file; ValueError naming the file when it is missing or malformed."""
     path = Path(path)

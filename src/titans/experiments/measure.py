@@ -18,6 +18,7 @@ titans-pytorch's MemoryAsContextTransformer at its README configuration runs bes
 from __future__ import annotations
 
 import json
+import resource
 import sys
 import time
 from pathlib import Path
@@ -85,7 +86,7 @@ def capacity_point(grid: dict[str, Any], memory_depth: int, expansion: int, chun
 def capacity_results(exp: Experiment, points_dir: Path, jobs: int, quiet: bool = False) -> dict[str, Any]:
     """The capacity JSON body: one row per memory depth, one panel per chunk size, x the expansion. Each shape's
     result is kept in `points_dir` and reused while the grid's settings stay the same."""
-    from .runner import cached, run_parallel
+    from .runner import add_setting, cached, run_parallel
 
     grid = exp.capacity
     shapes = [(d, e, c) for c in grid.chunk_sizes for d in grid.memory_depths for e in grid.expansions]
@@ -100,10 +101,7 @@ def capacity_results(exp: Experiment, points_dir: Path, jobs: int, quiet: bool =
     for label, (depth, expansion, chunk), point in zip(labels, shapes, points):
         panel = f"chunk {chunk}"
         setting = f"{panel}/{expansion}"
-        entry = panels.setdefault(panel, {"settings": [], "x": []})
-        if setting not in entry["settings"]:
-            entry["settings"].append(setting)
-            entry["x"].append(float(expansion))
+        add_setting(panels, panel, setting, float(expansion))
         results.setdefault(f"memory depth {depth}", {})[setting] = point["capacity"]
         runs[label] = {"model": f"memory depth {depth}", "panel": panel, "values": {setting: point["capacity"]},
                        "memory_depth": depth, "expansion": expansion, "chunk_size": chunk, **point}
@@ -170,8 +168,6 @@ def efficiency_worker(spec: dict[str, Any]) -> dict[str, Any]:
         _logits(model, tokens, reference).float().logsumexp(-1).mean().backward()
         if i:
             times.append(time.perf_counter() - start)
-    import resource
-
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - base
     model.eval()
     with torch.no_grad():

@@ -27,34 +27,32 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
+from ..models.state_io import staged_writes
 from ..train.config import TrainConfig
 from .spec import Experiment, Run, expand
 
 
-def finished(cfg: TrainConfig, run_dir: Path) -> dict[str, Any] | None:
-    """The run's eval.json where `run_dir` holds a finished run of exactly `cfg`, else None."""
+def holds_run_of(cfg: TrainConfig, run_dir: Path) -> bool:
+    """Whether `run_dir` holds a run (finished or not) of exactly `cfg`."""
     from ..train.checkpoint import load_checkpoint_config
 
-    result = run_dir / "eval.json"
-    if not result.is_file() or not (run_dir / "config.yaml").is_file():
-        return None
-    try:
-        same = load_checkpoint_config(run_dir).to_dict() == cfg.to_dict()
-    except ValueError:
-        return None
-    return json.loads(result.read_text()) if same else None
-
-
-def resumable(cfg: TrainConfig, run_dir: Path) -> bool:
-    """Whether `run_dir` holds an unfinished run of exactly `cfg` (a killed grid) to continue."""
-    from ..train.checkpoint import load_checkpoint_config
-
-    if not (run_dir / "config.yaml").is_file() or (run_dir / "eval.json").is_file():
+    if not (run_dir / "config.yaml").is_file():
         return False
     try:
         return load_checkpoint_config(run_dir).to_dict() == cfg.to_dict()
     except ValueError:
         return False
+
+
+def finished(cfg: TrainConfig, run_dir: Path) -> dict[str, Any] | None:
+    """The run's eval.json where `run_dir` holds a finished run of exactly `cfg`, else None."""
+    result = run_dir / "eval.json"
+    return json.loads(result.read_text()) if result.is_file() and holds_run_of(cfg, run_dir) else None
+
+
+def resumable(cfg: TrainConfig, run_dir: Path) -> bool:
+    """Whether `run_dir` holds an unfinished run of exactly `cfg` (a killed grid) to continue."""
+    return not (run_dir / "eval.json").is_file() and holds_run_of(cfg, run_dir)
 
 
 def train_one(cfg: TrainConfig, run_dir: Path) -> dict[str, Any]:
@@ -92,9 +90,8 @@ def cached(path: Path, function: Callable[..., Any], *args: Any) -> Any:
     result = function(*args)
     if not (isinstance(result, dict) and result.get("status", "ok") != "ok"):
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps({"key": key, "result": result}))
-        tmp.replace(path)
+        with staged_writes(path) as (partial,):
+            partial.write_text(json.dumps({"key": key, "result": result}))
     return result
 
 
@@ -137,6 +134,14 @@ def describe_run(summary: dict[str, Any]) -> str:
     return f"{summary['step']} steps in {summary['train_seconds']:.0f} s; {values}"
 
 
+def add_setting(panels: dict[str, dict[str, list]], panel: str, setting: str, x: float) -> None:
+    """Put `setting` (at `x`) in its panel's columns the first time it is seen, in order of appearance."""
+    entry = panels.setdefault(panel, {"settings": [], "x": []})
+    if setting not in entry["settings"]:
+        entry["settings"].append(setting)
+        entry["x"].append(x)
+
+
 def train_results(exp: Experiment, runs: list[Run], summaries: list[dict[str, Any]]) -> dict[str, Any]:
     """The JSON's panels, results, spread and runs from the runs' eval.json summaries."""
     panels: dict[str, dict[str, list]] = {}
@@ -146,10 +151,7 @@ def train_results(exp: Experiment, runs: list[Run], summaries: list[dict[str, An
         values = {}
         for length in exp.eval_lengths:
             setting = run.setting(length, exp)
-            panel = panels.setdefault(run.panel, {"settings": [], "x": []})
-            if setting not in panel["settings"]:
-                panel["settings"].append(setting)
-                panel["x"].append(run.x_of(length, exp))
+            add_setting(panels, run.panel, setting, run.x_of(length, exp))
             value = None if "error" in summary else summary["results"][str(length)][exp.metric]
             values[setting] = value
             per_seed.setdefault(run.model, {}).setdefault(setting, []).append(value)
@@ -205,9 +207,8 @@ def run_experiment(exp: Experiment, results_dir: Path, runs_dir: Path, jobs: int
     else:
         body = measure.efficiency_results(exp, runs_dir / exp.name, quiet)
     path = results_dir / f"{exp.name}.json"
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps({**header, **body}, indent=1))
-    tmp.replace(path)  # a reader never sees half a file, and a failed write leaves the last one whole
+    with staged_writes(path) as (partial,):  # a reader never sees half a file; a failed write leaves the last one
+        partial.write_text(json.dumps({**header, **body}, indent=1))
     if not quiet:
         print(f"wrote {path}", file=sys.stderr, flush=True)
     return path

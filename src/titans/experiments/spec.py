@@ -17,7 +17,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Literal, Optional
 
-from ..config import Config, read_yaml_mapping
+from ..config import Config, read_yaml_mapping, shipped_configs
 from ..models.config import VARIANTS
 from ..train.config import RUN_NAME, TrainConfig, load_train_config
 
@@ -153,10 +153,10 @@ def merge(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
 
 def experiments_dir() -> Path:
     """configs/experiments in the working directory, else in the source checkout this package runs from."""
-    for root in (Path.cwd(), Path(__file__).resolve().parents[3]):
-        if (root / "configs" / "experiments").is_dir():
-            return root / "configs" / "experiments"
-    raise ValueError("no configs/experiments folder found here or in the titans checkout")
+    folder = shipped_configs("experiments")
+    if folder is None:
+        raise ValueError("no configs/experiments/*.yaml found here or in the titans checkout")
+    return folder
 
 
 def experiment_names(folder: Path | None = None) -> list[str]:
@@ -222,8 +222,7 @@ def expand(exp: Experiment) -> list[Run]:
                         "name": run_id, "model": {"variant": variant}, "seed": seed,
                         "task": {"name": task.name, "options": task.options, "train_length": exp.train_length,
                                  "eval_lengths": exp.eval_lengths},
-                        "time_budget_s": exp.time_budget_s, "checkpoint_every": data.get("checkpoint_every", 100),
-                        "threads": 1, "tensorboard": False})
+                        "time_budget_s": exp.time_budget_s, "threads": 1, "tensorboard": False})
                     try:
                         cfg = load_train_config(data=data)
                     except ValueError as err:

@@ -17,6 +17,7 @@ from functools import partial
 from multiprocessing import get_context
 from pathlib import Path
 
+from ..config import shipped_configs
 from .checkpoint import check_run_dir, prepare_run_dir
 from .config import load_train_config
 from .loop import checked_tasks, resolve_device, train
@@ -24,11 +25,10 @@ from .loop import checked_tasks, resolve_device, train
 
 def default_demo_configs() -> list[Path]:
     """configs/demo/*.yaml in the working directory, else in the source checkout this package runs from."""
-    for root in (Path.cwd(), Path(__file__).resolve().parents[3]):
-        found = sorted((root / "configs" / "demo").glob("*.yaml"))
-        if found:
-            return found
-    raise ValueError("no demo configs found (configs/demo/*.yaml); pass --configs")
+    folder = shipped_configs("demo")
+    if folder is None:
+        raise ValueError("no demo configs found (configs/demo/*.yaml); pass --configs")
+    return sorted(folder.glob("*.yaml"))
 
 
 def plot_results(results: dict[str, dict[str, float]], train_length: int, window: int | None, task: str,
