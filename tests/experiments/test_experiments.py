@@ -90,6 +90,21 @@ def test_results_are_the_mean_over_seeds_of_the_runs(quick_results):
             assert value == pytest.approx(sum(values) / len(values))
 
 
+def test_extra_models_are_rows_of_their_variant_with_their_changes(quick_results):
+    """niah's extra rows: the LMM and MAC with a matrix memory beside the default deep one."""
+    from titans.experiments.report import observations
+
+    results_dir, _ = quick_results
+    data = json.loads((results_dir / "niah.json").read_text())
+    assert {"lmm depth1", "mac depth1"} <= set(data["results"])
+    for label, variant in (("lmm depth1", "lmm"), ("mac depth1", "mac")):
+        runs = [r for r in data["runs"].values() if r["model"] == label]
+        assert runs and all(r["config"]["model"]["variant"] == variant and r["config"]["model"]["memory_depth"] == 1
+                            for r in runs)
+    data["results"]["lmm depth1"] = {s: 2.0 for s in data["results"]["lmm depth1"]}  # beats everything
+    assert all("best Titans variant lmm depth1" in line for line in observations(data))
+
+
 def test_a_finished_grid_is_read_back_not_trained_again(quick_results, tmp_path, monkeypatch):
     results_dir, runs_dir = quick_results
     before = json.loads((results_dir / "niah.json").read_text())
@@ -218,6 +233,12 @@ def test_bad_experiment_files_name_the_problem(tmp_path):
     (tmp_path / "typo.yaml").write_text("tasks: {a: {name: passkey}}\nseeds: [0, 0]\n")
     with pytest.raises(ValueError, match="seeds"):
         load_experiment("typo", folder=tmp_path)
+    (tmp_path / "extra.yaml").write_text("tasks: {a: {name: passkey}}\nextra_models: {big: {dim: 64}}\n")
+    with pytest.raises(ValueError, match="extra_models.big must name its variant"):
+        load_experiment("extra", folder=tmp_path)
+    (tmp_path / "clash.yaml").write_text("tasks: {a: {name: passkey}}\nextra_models: {mac: {variant: mac}}\n")
+    with pytest.raises(ValueError, match="not a variant's name"):
+        load_experiment("clash", folder=tmp_path)
     (tmp_path / "task.yaml").write_text("tasks: {a: {name: passkey, options: {vocab: 2}}}\n")
     with pytest.raises(ValueError, match="run lmm-s0|vocab"):
         expand(load_experiment("task", folder=tmp_path))

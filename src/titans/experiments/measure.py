@@ -197,8 +197,7 @@ def efficiency_results(exp: Experiment, points_dir: Path, quiet: bool = False) -
     from .runner import cached, run_parallel
 
     grid = exp.efficiency
-    models = {variant: {"variant": variant} for variant in exp.variants}
-    models.update(grid.extra_models)
+    models = dict(exp.models)
     if grid.reference and reference_available():
         models[REFERENCE] = {}
     elif grid.reference and not quiet:

@@ -122,7 +122,9 @@ def plot(data: dict[str, Any], path: Path) -> None:
 def observations(data: dict[str, Any]) -> list[str]:
     """Sentences computed from the numbers: per panel, who is best at the largest x, and for train experiments how
     the best Titans variant compares with the best baseline there."""
-    memory = ("lmm", "mac", "mag", "mal")
+    variant_of = {run["model"]: run["config"].get("model", {}).get("variant", run["model"])
+                  for run in data["runs"].values() if isinstance(run.get("config"), dict)}
+    memory = {m for m in data["results"] if variant_of.get(m, m) in ("lmm", "mac", "mag", "mal")}
     lines = []
     for name, panel in data["panels"].items():
         setting, x = panel["settings"][-1], panel["x"][-1]

@@ -67,7 +67,6 @@ class EfficiencyGrid(Config):
     repeats: int = 2  # timed steps per point (the best is kept)
     generate_tokens: int = 64  # tokens generated one at a time after a prompt of each length
     reference: bool = True  # also titans-pytorch's MemoryAsContextTransformer where installed
-    extra_models: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)  # label -> model changes
     threads: Optional[int] = None  # torch threads per point; None: torch's default (every core: run nothing beside)
     timeout_s: float = 900.0
     memory_cap_gib: float = 16.0
@@ -92,6 +91,8 @@ class Experiment(Config):
     metric: str = "accuracy"  # train: the evaluation metric reported (`titans.train.evaluate`'s keys)
     higher_is_better: bool = True
     variants: list[str] = dataclasses.field(default_factory=lambda: list(VARIANTS))
+    # label -> model changes naming their variant: rows beside the variants (a variant with another memory, say)
+    extra_models: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     sizes: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)  # label -> changes to `base`
     tasks: dict[str, TaskAxis] = dataclasses.field(default_factory=dict)  # label -> task
     x_axis: Literal["length", "task"] = "length"
@@ -114,6 +115,13 @@ class Experiment(Config):
         unknown = sorted(set(self.variants) - set(VARIANTS))
         if unknown or not self.variants:
             raise ValueError(f"variants must be a non-empty list from {', '.join(VARIANTS)}; unknown: {unknown}")
+        for label, changes in self.extra_models.items():
+            if label in VARIANTS or not RUN_NAME.fullmatch(label.replace(" ", "-")):
+                raise ValueError(f"extra_models: {label!r} must be a new row label (letters, digits, spaces, '-', "
+                                 "'_', '.'), not a variant's name")
+            if changes.get("variant") not in VARIANTS:
+                raise ValueError(f"extra_models.{label} must name its variant (one of {', '.join(VARIANTS)}), "
+                                 f"got {changes.get('variant')!r}")
         if sorted(set(self.variant_overrides) - set(self.variants)):
             raise ValueError(f"variant_overrides names variants not in the grid: "
                              f"{sorted(set(self.variant_overrides) - set(self.variants))}")
@@ -135,6 +143,11 @@ class Experiment(Config):
     @property
     def eval_lengths(self) -> list[int]:
         return [m * self.train_length for m in self.eval_multiples]
+
+    @property
+    def models(self) -> dict[str, dict[str, Any]]:
+        """Every row: label -> model changes (a variant alone, or an extra model)."""
+        return {**{variant: {"variant": variant} for variant in self.variants}, **self.extra_models}
 
 
 MERGED = ("base", "capacity", "efficiency")  # the sections `quick` changes field by field
@@ -188,7 +201,7 @@ class Run:
     """One training run of a train experiment: where its numbers go in the table, and its config."""
 
     run_id: str
-    model: str  # the table's row: the variant
+    model: str  # the table's row: the variant or the extra model's label
     panel: str  # the plot panel / column group ("" when there is one)
     task: str  # the task label
     seed: int
@@ -209,17 +222,17 @@ def expand(exp: Experiment) -> list[Run]:
     the parallel workers finish together)."""
     sizes = exp.sizes or {"": {}}
     runs = []
-    for variant in exp.variants:
+    for label, model in exp.models.items():
         for size_label, size in sizes.items():
             for task_label, task in exp.tasks.items():
                 for seed in exp.seeds:
                     panel_parts = ([size_label] if len(sizes) > 1 else []) + (
                         [task_label] if exp.x_axis == "length" and len(exp.tasks) > 1 else [])
-                    run_id = "-".join(p for p in (variant, size_label, task_label, f"s{seed}") if p)
+                    run_id = "-".join(p for p in (label.replace(" ", "-"), size_label, task_label, f"s{seed}") if p)
                     data = merge(exp.base, size)
-                    data = merge(data, exp.variant_overrides.get(variant, {}))
+                    data = merge(data, exp.variant_overrides.get(model["variant"], {}))
                     data = merge(data, {
-                        "name": run_id, "model": {"variant": variant}, "seed": seed,
+                        "name": run_id, "model": model, "seed": seed,
                         "task": {"name": task.name, "options": task.options, "train_length": exp.train_length,
                                  "eval_lengths": exp.eval_lengths},
                         "time_budget_s": exp.time_budget_s, "threads": 1, "tensorboard": False})
@@ -227,7 +240,7 @@ def expand(exp: Experiment) -> list[Run]:
                         cfg = load_train_config(data=data)
                     except ValueError as err:
                         raise ValueError(f"experiment {exp.name}, run {run_id}: {err}") from None
-                    runs.append(Run(run_id, variant, "/".join(panel_parts), task_label, seed, cfg))
+                    runs.append(Run(run_id, label, "/".join(panel_parts), task_label, seed, cfg))
     slow_first = {v: i for i, v in enumerate(("mac", "mag", "mal", "lmm", "gated_deltanet", "transformer", "swa",
                                                "lstm"))}
     return sorted(runs, key=lambda r: slow_first[r.config.model.variant])
