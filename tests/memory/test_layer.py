@@ -23,14 +23,21 @@ OPTION_SETS = {
     "bounded gradient norm": {"max_grad_norm": 0.5},
     "bounded state, active": {"max_state_norm": 0.2},
     "the paper's rule": {"normalize_inputs": False, "max_grad_norm": None, "max_state_norm": None, "max_lr": 0.1},
+    # the ablations' switches (paper Table 5): each row removes one component
+    "linear memory": {"depth": 1, "residual": False},
+    "no momentum": {"momentum": False},
+    "no forgetting": {"forgetting": False},
+    "constant gates": {"gates": "constant", "init_theta": 0.5, "init_eta": 0.9, "init_alpha": 1e-3},
 }
+ABLATIONS = ["linear memory", "no momentum", "no forgetting", "constant gates"]
 
 
 def make_memory(chunk_size=4, **options) -> NeuralMemory:
     torch.manual_seed(0)
     memory = NeuralMemory(16, heads=2, chunk_size=chunk_size, **options).to(DT)
     with torch.no_grad():  # move gates away from their init so every term of the update matters
-        memory.to_gates.weight.normal_(0, 0.3)
+        if memory.to_gates is not None:
+            memory.to_gates.weight.normal_(0, 0.3)
         if memory.surprise_weight is not None:
             memory.surprise_weight.normal_(0, 1.0)
     return memory
@@ -287,3 +294,53 @@ def test_a_state_this_memory_could_not_have_returned_is_refused():
         memory.retrieve(torch.randn(3, 2, 16, dtype=DT), state)
     with pytest.raises(ValueError, match=r"state.query_cache has shape \[2, 3, 16\], expected \[3, 3, 16\]"):
         memory.retrieve(torch.randn(3, 2, 16, dtype=DT), None, memory.retrieve(torch.randn(2, 2, 16, dtype=DT))[1])
+
+
+@pytest.mark.parametrize("name", ABLATIONS)
+def test_ablation_switches_equal_the_token_by_token_rule(name, monkeypatch):
+    """Each switch is the token-by-token rule (eqs. 10-14) with its component removed: the layer run through
+    `sequential_memory` in place of the chunk-parallel path gives the same outputs and states, and the gates the
+    rule receives are the switch's (η = 0, α = 0, or θ, η, α the constants for every token)."""
+    from titans.memory import layer
+    from titans.memory.reference import sequential_memory
+
+    memory = make_memory(**OPTION_SETS[name])
+    x = torch.randn(2, 23, 16, dtype=DT, generator=torch.Generator().manual_seed(1))
+    y, state = memory(x)
+    calls = []
+    monkeypatch.setattr(layer, "parallel_memory", lambda *a, **kw: calls.append(a) or sequential_memory(
+        *a, **{key: value for key, value in kw.items() if key != "checkpoint_chunks"}))
+    y_ref, state_ref = memory(x)
+    assert (y - y_ref).abs().max() <= 1e-12
+    for w, w_ref in zip(state.weights + state.momentum, state_ref.weights + state_ref.momentum):
+        assert (w - w_ref).abs().max() <= 1e-12
+    for _, _, _, theta, eta, alpha, weights, *_ in calls:
+        if name == "no momentum":
+            assert (eta == 0).all() and (alpha > 0).all()
+        if name == "no forgetting":
+            assert (alpha == 0).all() and (eta > 0).all()
+        if name == "constant gates":
+            for gate, value in ((theta, 0.5), (eta, 0.9), (alpha, 1e-3)):
+                torch.testing.assert_close(gate, torch.full_like(gate, value), rtol=1e-12, atol=0)
+        if name == "linear memory":  # M(k) = k W: one layer, and no residual (W = 0 reads 0)
+            assert len(weights) == 1
+            assert layer.memory_apply(x.new_ones(1, 1, 1, 8), (torch.zeros(1, 1, 8, 8, dtype=DT),), "gelu",
+                                      memory.residual).abs().max() == 0
+
+
+def test_constant_gates_are_not_parameters():
+    data, constant = NeuralMemory(16, heads=2), NeuralMemory(16, heads=2, gates="constant")
+    names = {name for name, _ in constant.named_parameters()}
+    assert not any(name.startswith("to_gates") for name in names)
+    assert sum(p.numel() for p in data.parameters()) - sum(p.numel() for p in constant.parameters()) == 16 * 6 + 6
+    assert "constant_gate_logits" not in constant.state_dict()  # derived from the config, not saved
+    y, _ = constant.double()(torch.randn(1, 8, 16, dtype=DT))
+    y.sum().backward()  # the outer loop trains everything else
+    assert all(p.grad is not None for p in constant.parameters())
+
+
+def test_constant_gates_refuse_the_surprise_gate():
+    with pytest.raises(ValueError, match="constant"):
+        NeuralMemory(16, gates="constant", surprise_gate=True)
+    with pytest.raises(ValueError, match="gates"):
+        NeuralMemory(16, gates="learned")

@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from titans import TitansConfig, TitansLM
-from titans.models import VARIANTS, load_state, sample_next, save_state
 from titans.layers.attention import reference_attention
+from titans.memory import NeuralMemory
+from titans.models import VARIANTS, load_state, sample_next, save_state
 from titans.models.state_io import _flatten
 
 DT = torch.float64
@@ -214,6 +215,25 @@ def test_baseline_memories_are_configs_of_the_same_layer():
     assert gated.surprise_gate and gated.surprise_weight is not None
 
 
+ABLATION_SWITCHES = dict(memory_depth=1, memory_residual=False, momentum=False, memory_forgetting=False,
+                         memory_gates="constant")
+
+
+@pytest.mark.parametrize("name", ["lmm", "mac", "mag", "mal"])
+def test_ablation_switches_reach_every_titans_memory(name):
+    """The config's switches build the memory the ablation names (the layer's own tests hold each to the
+    token-by-token rule); the Gated DeltaNet baseline keeps its own data-dependent gates and forgetting."""
+    model = tiny_model(name, **ABLATION_SWITCHES)
+    memories = [m for m in model.modules() if isinstance(m, NeuralMemory)]
+    assert len(memories) == 2
+    for memory in memories:
+        assert (memory.depth, memory.residual, memory.use_momentum, memory.forgetting, memory.gates) == (
+            1, False, False, False, "constant")
+        assert memory.to_gates is None
+    gdn = tiny_model("gated_deltanet", **ABLATION_SWITCHES).backbone.blocks[0].mixer
+    assert (gdn.forgetting, gdn.gates) == (True, "data")
+
+
 def test_save_and_load_pretrained(tmp_path):
     model = tiny_model("mac").float()
     model.save_pretrained(tmp_path / "m")
@@ -282,6 +302,8 @@ def test_a_failed_save_leaves_the_previous_model_whole(tmp_path, monkeypatch):
         ({"memory_activation": "relu"}, "memory_activation"),
         ({"memory_init_alpha": 1.0}, "memory_init_alpha"),
         ({"memory_max_grad_norm": -1.0}, "memory_max_grad_norm"),
+        ({"memory_gates": "learned"}, "memory_gates"),
+        ({"memory_gates": "constant", "surprise_gate": True}, "memory_gates"),
     ],
 )
 def test_bad_configs_name_the_field(overrides, field):

@@ -67,7 +67,10 @@ class NeuralMemory(nn.Module):
         activation: σ inside the memory MLP ("gelu" or "silu").
         momentum: False sets η = 0 (no past surprise); with depth=1, residual=False, gradients="token" this is
             Gated DeltaNet.
-        residual: M(x) = x + MLP(x).
+        forgetting: False sets α = 0 (no forgetting: the paper's "w/o weight decay" ablation).
+        gates: "data" (θ_t, η_t, α_t from x_t, the paper's data-dependent gates) or "constant" (θ, η, α fixed at
+            init_theta, init_eta, init_alpha and not trained, the proof-of-concept's ablation).
+        residual: M(x) = x + MLP(x); False with depth=1 is the paper's linear memory M(x) = x W.
         conv_kernel: width of the causal depthwise convs on q, k, v.
         gate_pooling: "token" (per-token θ, η, α) or "chunk" (each chunk uses its first token's gates,
             constant within the chunk and known when the chunk starts, so still causal).
@@ -105,6 +108,8 @@ class NeuralMemory(nn.Module):
         max_lr: float = 1.0,
         activation: str = "gelu",
         momentum: bool = True,
+        forgetting: bool = True,
+        gates: Literal["data", "constant"] = "data",
         residual: bool = True,
         conv_kernel: int = 4,
         gate_pooling: Literal["token", "chunk"] = "token",
@@ -143,6 +148,10 @@ class NeuralMemory(nn.Module):
             raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
         if gate_pooling not in ("token", "chunk"):
             raise ValueError(f"gate_pooling must be 'token' or 'chunk', got {gate_pooling!r}")
+        if gates not in ("data", "constant"):
+            raise ValueError(f"gates must be 'data' or 'constant', got {gates!r}")
+        if gates == "constant" and surprise_gate:
+            raise ValueError("gates='constant' fixes θ, so it cannot be combined with surprise_gate=True")
         if gradients not in ("chunk", "token"):
             raise ValueError(f"gradients must be 'chunk' or 'token', got {gradients!r}")
         if max_state_norm is not None and not 0 < max_state_norm < float("inf"):
@@ -157,20 +166,24 @@ class NeuralMemory(nn.Module):
         self.dim, self.heads, self.head_dim = dim, heads, dim // heads
         self.depth, self.chunk_size, self.max_lr = depth, chunk_size, max_lr
         self.activation, self.use_momentum, self.residual = activation, momentum, residual
+        self.forgetting, self.gates = forgetting, gates
         self.gate_pooling, self.surprise_gate, self.checkpoint_chunks = gate_pooling, surprise_gate, checkpoint_chunks
         self.max_grad_norm, self.max_state_norm = max_grad_norm, max_state_norm
         self.gradients, self.normalize_inputs, self.normalize_chunk = gradients, normalize_inputs, normalize_chunk
 
         self.to_qkv = nn.Linear(dim, 3 * dim, bias=False)  # W_Q, W_K, W_V
         self.conv = CausalDepthwiseConv(3 * dim, conv_kernel)
-        self.to_gates = nn.Linear(dim, 3 * heads)  # logits of θ, η, α per head
-        with torch.no_grad():
-            self.to_gates.weight.mul_(0.1)
-            # Every gate starts at its init_* value (the bias is its logit); the outer loop tunes the rest.
-            bias = self.to_gates.bias.view(3, heads)
-            bias[0].fill_(logit(init_theta / max_lr))
-            bias[1].fill_(logit(init_eta))
-            bias[2].fill_(logit(init_alpha))
+        # Logits of θ, η, α per head: every gate starts at its init_* value (the bias is its logit).
+        init_logits = torch.tensor([logit(init_theta / max_lr), logit(init_eta), logit(init_alpha)],
+                                   dtype=torch.float64).repeat_interleave(heads)
+        if gates == "data":  # the outer loop tunes the bias and the weights from x
+            self.to_gates = nn.Linear(dim, 3 * heads)
+            with torch.no_grad():
+                self.to_gates.weight.mul_(0.1)
+                self.to_gates.bias.copy_(init_logits)  # rounded to the bias's dtype
+        else:  # constant: the same logits for every token, not parameters (float64, so θ, η, α are the constants)
+            self.to_gates = None
+            self.register_buffer("constant_gate_logits", init_logits, persistent=False)
         self.surprise_weight = nn.Parameter(torch.zeros(heads)) if surprise_gate else None
 
         hidden = self.head_dim * expansion
@@ -241,6 +254,12 @@ class NeuralMemory(nn.Module):
     def _queries(self, proj_q: Tensor) -> Tensor:
         return F.normalize(self._split_heads(F.silu(proj_q)), dim=-1)
 
+    def _gate_logits(self, x: Tensor) -> Tensor:
+        """Logits of θ, η, α for every token, [B, T, 3 · heads]."""
+        if self.to_gates is None:
+            return self.constant_gate_logits.expand(*x.shape[:2], -1)
+        return self.to_gates(F.rms_norm(x, (self.dim,)) if self.normalize_inputs else x)
+
     def _gate_values(self, logits: Tensor) -> tuple[Union[Tensor, Callable], Tensor, Tensor]:
         """θ, η, α from logits [B, H, n, 3] that start at a chunk boundary."""
         if self.gate_pooling == "chunk":
@@ -249,7 +268,7 @@ class NeuralMemory(nn.Module):
             logits = logits[:, :, first]
         theta_logit, eta_logit, alpha_logit = logits.unbind(-1)
         eta = torch.sigmoid(eta_logit) if self.use_momentum else torch.zeros_like(eta_logit)
-        alpha = torch.sigmoid(alpha_logit)
+        alpha = torch.sigmoid(alpha_logit) if self.forgetting else torch.zeros_like(alpha_logit)
         if self.surprise_weight is None:
             return self.max_lr * torch.sigmoid(theta_logit), eta, alpha
         weight = self.surprise_weight.view(1, -1, 1)
@@ -299,8 +318,7 @@ class NeuralMemory(nn.Module):
         v = self._split_heads(F.silu(proj_v))
         if self.normalize_inputs:  # the inner loop sees no scale: unit values like the keys, gates from unit-RMS x
             v = F.normalize(v, dim=-1)
-        gate_input = F.rms_norm(x, (self.dim,)) if self.normalize_inputs else x
-        gates = self.to_gates(gate_input).to(dtype).unflatten(-1, (3, self.heads)).permute(0, 3, 1, 2)  # [B, H, T, 3]
+        gates = self._gate_logits(x).to(dtype).unflatten(-1, (3, self.heads)).permute(0, 3, 1, 2)  # [B, H, T, 3]
 
         # Continue the unfinished chunk: its pending tokens go first (their outputs are discarded),
         # so every chunk's gradients are taken at the weights it started with, as in one call.

@@ -32,8 +32,10 @@ def build_swa_mixer(cfg: TitansConfig) -> Attention:
 def build_gated_deltanet_mixer(cfg: TitansConfig) -> NeuralMemory:
     # GDN's own step: β_t = 2 θ_t ∈ (0, 1) (θ_max = 0.5), 0.5 at initialisation; its state and values as GDN has them
     # (no bounds, no normalised values: the delta rule with unit keys and β ≤ 1 never expands its state).
+    # The Titans ablation switches (memory_forgetting, memory_gates) do not reach it: it keeps its own gates.
     return build_memory(cfg, depth=1, momentum=False, residual=False, gradients="token", normalize_inputs=False,
-                        max_grad_norm=None, max_state_norm=None, normalize_chunk=False, max_lr=0.5, init_theta=0.25)
+                        max_grad_norm=None, max_state_norm=None, normalize_chunk=False, max_lr=0.5, init_theta=0.25,
+                        forgetting=True, gates="data")
 
 
 @dataclasses.dataclass

@@ -40,6 +40,9 @@ class TitansConfig(Config):
     memory_normalize_chunk: bool = True  # a chunk's overlapping gradients share one step (not in the paper)
     memory_activation: Literal["gelu", "silu"] = "gelu"  # paper: GELU
     momentum: bool = True  # η (past surprise); gated_deltanet always runs without
+    memory_forgetting: bool = True  # α (the forgetting gate); False: α = 0, the paper's "w/o weight decay"
+    memory_gates: Literal["data", "constant"] = "data"  # constant: θ, η, α fixed at memory_init_* (not trained)
+    memory_residual: bool = True  # M(k) = k + MLP(k); False with memory_depth 1 is the paper's linear memory k W
     gate_pooling: Literal["token", "chunk"] = "token"
     surprise_gate: bool = False  # θ_t = θ_max sigmoid(x_t w_θ + b_θ + w_s log(1 + surprise_t))
     conv_kernel: int = 4
@@ -57,7 +60,8 @@ class TitansConfig(Config):
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.vocab_size > MAX_VOCAB_SIZE:
             raise ValueError(f"vocab_size must be <= {MAX_VOCAB_SIZE} (2**24), got {self.vocab_size}")
-        choices = {"variant": VARIANTS, "memory_activation": ("gelu", "silu"), "gate_pooling": ("token", "chunk")}
+        choices = {"variant": VARIANTS, "memory_activation": ("gelu", "silu"), "gate_pooling": ("token", "chunk"),
+                   "memory_gates": ("data", "constant")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {getattr(self, name)!r}")
@@ -71,6 +75,8 @@ class TitansConfig(Config):
             raise ValueError(f"n_persistent must be >= 0, got {self.n_persistent}")
         if not 0 < self.max_lr:
             raise ValueError(f"max_lr must be > 0, got {self.max_lr}")
+        if self.memory_gates == "constant" and self.surprise_gate:
+            raise ValueError("memory_gates='constant' fixes θ, so it cannot be combined with surprise_gate=True")
         if self.memory_init_theta is not None and not 0 < self.memory_init_theta < self.max_lr:
             raise ValueError(f"memory_init_theta must be in (0, max_lr = {self.max_lr}), got {self.memory_init_theta}")
         if not 0 < self.memory_init_eta < 1:
