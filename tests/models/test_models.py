@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from titans import TitansConfig, TitansLM
-from titans.models import VARIANTS, load_state, sample_next, save_state
 from titans.layers.attention import reference_attention
+from titans.models import VARIANTS, load_state, sample_next, save_state
 from titans.models.state_io import _flatten
 
 DT = torch.float64
