@@ -128,8 +128,9 @@ def test_eval_of_a_data_task_defaults_to_validation_and_takes_a_split(tmp_path):
     rows = "".join(f"{i},{i % 7},{(i * 3) % 5 + (i >= 800) * 50}\n" for i in range(1000))  # the test rows shift
     (tmp_path / "s.csv").write_text("date,a,b\n" + rows)
     out = tmp_path / "run"
+    csv_task = f"task.options={{path: {tmp_path / 's.csv'}}}"
     result = runner.invoke(app, ["train", str(TINY), "--out", str(out), "--quiet", "steps=2", "model.variant=mag",
-                                 "model.window=8", "task.name=forecast_csv", f"task.options={{path: {tmp_path / 's.csv'}}}"])
+                                 "model.window=8", "task.name=forecast_csv", csv_task])
     assert result.exit_code == 0, result.output
     trained = json.loads((out / "eval.json").read_text())["results"]["24"]["loss"]
     losses = {}

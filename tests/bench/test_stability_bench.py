@@ -1,16 +1,14 @@
 """`titans bench stability` at toy sizes: every case runs, the summaries count them, the JSON holds every result."""
 
 import json
-
-from typer.testing import CliRunner
-
 import math
 
 import torch
+from typer.testing import CliRunner
 
 from titans.bench.stability import StreamCase, TrainCase, describe_streams, run_stream, run_training, summarize
-from titans.memory import NeuralMemory
 from titans.cli import app
+from titans.memory import NeuralMemory
 
 
 def test_bench_stability_end_to_end(tmp_path):

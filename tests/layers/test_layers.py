@@ -8,9 +8,21 @@ import torch
 import torch.nn.functional as F
 
 import titans.layers.attention as attention_module
-from titans.layers import (Attention, CausalDepthwiseConv, PersistentMemory, RMSNorm, RotaryEmbedding,
-                           SegmentAttention, SwiGLU, banded_attention, reference_attention,
-                           reference_segment_attention, segment_attention, segment_visibility, visibility)
+from titans.layers import (
+    Attention,
+    CausalDepthwiseConv,
+    PersistentMemory,
+    RMSNorm,
+    RotaryEmbedding,
+    SegmentAttention,
+    SwiGLU,
+    banded_attention,
+    reference_attention,
+    reference_segment_attention,
+    segment_attention,
+    segment_visibility,
+    visibility,
+)
 
 DT = torch.float64
 

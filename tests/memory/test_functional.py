@@ -277,8 +277,8 @@ def test_normalized_chunk_of_one_repeated_pair_moves_like_one_token(implementati
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_normalized_chunk_of_similar_keys_does_not_overshoot(implementation):
     """A linear memory, a chunk of 16 keys at cosine ~0.8 with their own values, θ = 0.25 (each key alone would halve
-    its error, 1 − 2θ‖k‖²): the paper's sum of the chunk's gradients overshoots, its loss on the chunk's own pairs grows; with the
-    normalised step it falls."""
+    its error, 1 − 2θ‖k‖²): the paper's sum of the chunk's gradients overshoots, its loss on the chunk's own pairs
+    grows; with the normalised step it falls."""
     g = torch.Generator().manual_seed(3)
     common = torch.randn(1, 1, 1, 8, generator=g, dtype=DT)
     k = F.normalize(common + 0.35 * torch.randn(1, 1, 16, 8, generator=g, dtype=DT), dim=-1)
@@ -314,7 +314,8 @@ def test_bad_max_state_norm(bound, fn):
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_gradcheck_tiny(implementation):
-    q, k, v, theta, eta, alpha, weights, momentum = make_inputs(batch=1, heads=1, seq=5, dim=2, hidden=3, requires_grad=True)
+    q, k, v, theta, eta, alpha, weights, momentum = make_inputs(batch=1, heads=1, seq=5, dim=2, hidden=3,
+                                                                requires_grad=True)
 
     def fn(q, k, v, theta, eta, alpha, w1, w2, s1, s2):
         y, W, S = parallel_memory(q, k, v, theta, eta, alpha, (w1, w2), (s1, s2), chunk_size=2,

@@ -197,7 +197,14 @@ def test_unknown_implementation_is_named():
 def test_norm_bound_bounds_every_chunk_end_from_above(depth, seed, normalize_chunk):
     """The bounded state reads a state's norm only where `_next_norm_bound` says it may reach its ball: that bound must
     never fall below the true norm, chunk after chunk (here no ball is reached, so the bound only grows)."""
-    from titans.memory.fused import ScanConfig, _block_decays, _chunk_forward, _decays_of, _next_norm_bound, _state_norms
+    from titans.memory.fused import (
+        ScanConfig,
+        _block_decays,
+        _chunk_forward,
+        _decays_of,
+        _next_norm_bound,
+        _state_norms,
+    )
 
     q, k, v, theta, eta, alpha, weights, momentum = make_inputs(seq=32, depth=depth, seed=seed)
     flat = [t.reshape(-1, *t.shape[2:]) for t in (q, k, v, theta, eta, alpha)]
@@ -210,8 +217,8 @@ def test_norm_bound_bounds_every_chunk_end_from_above(depth, seed, normalize_chu
         nxt = [torch.empty_like(t) for t in state]
         sl = slice(4 * j, 4 * j + 4)
         dec = _decays_of(blocks, j)
-        cache = _chunk_forward(cfg, state, flat[0][:, sl], flat[1][:, sl], flat[2][:, sl], flat[3][:, sl], dec, y[:, sl],
-                               nxt)
+        cache = _chunk_forward(cfg, state, flat[0][:, sl], flat[1][:, sl], flat[2][:, sl], flat[3][:, sl], dec,
+                               y[:, sl], nxt)
         bound = _next_norm_bound(cache, dec, bound)
         assert (bound >= _state_norms(nxt) * (1 - 1e-12)).all()
         state = nxt

@@ -14,8 +14,8 @@ import torch
 
 from titans.memory import fused, parallel_memory, state_ops
 
-from .test_fused import outputs_and_grads
 from .test_functional import flat, make_inputs
+from .test_fused import outputs_and_grads
 
 pytestmark = pytest.mark.skipif(state_ops.kernels() is None,
                                 reason="the compiled module is unavailable here (no C++ compiler, or not x86-64 Linux)")

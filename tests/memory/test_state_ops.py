@@ -188,7 +188,8 @@ def test_kernels_demanded_but_unavailable_is_an_error(monkeypatch):
     monkeypatch.setenv("TITANS_KERNELS", "1")
     monkeypatch.setattr(state_ops, "_loaded", {})
     monkeypatch.setattr(state_ops, "_why_not_buildable", lambda flags: "no C++ compiler (c++ or $CXX) on PATH")
-    with pytest.raises(RuntimeError, match="TITANS_KERNELS=1 but the state kernels are unavailable: no C\\+\\+ compiler"):
+    with pytest.raises(RuntimeError,
+                       match="TITANS_KERNELS=1 but the state kernels are unavailable: no C\\+\\+ compiler"):
         state_ops.kernels()
 
 
@@ -217,3 +218,19 @@ def test_fused_scan_with_kernels_matches_the_scan_without(monkeypatch, seq, chun
     without = _scan(monkeypatch, False, seq, chunk_size)
     for a, b in zip(with_kernels, without):
         assert rel_err(a, b.double()) < 2e-5
+
+
+@pytest.mark.parametrize("built", [False, True])
+def test_the_first_build_says_so_in_one_line(monkeypatch, capsys, tmp_path, built):
+    """A first build takes about a minute: one line on stderr before it starts, nothing when the cache has it."""
+    import torch.utils.cpp_extension as cpp_extension
+
+    monkeypatch.setattr(state_ops, "_why_not_buildable", lambda flags: None)
+    monkeypatch.setattr(cpp_extension, "_get_build_directory", lambda name, verbose: str(tmp_path))
+    monkeypatch.setattr(cpp_extension, "load", lambda name, *args, **kwargs: f"module {name}")
+    if built:
+        (tmp_path / "titans_state_ops_x.so").touch()
+        monkeypatch.setattr(state_ops.hashlib, "sha1", lambda key: type("H", (), {"hexdigest": lambda self: "x"})())
+    assert state_ops._build().startswith("module titans_state_ops_")
+    err = capsys.readouterr().err
+    assert (err == "") if built else (err.count("\n") == 1 and "building the CPU kernels (first use" in err), err

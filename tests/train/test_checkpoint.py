@@ -5,8 +5,14 @@ import torch
 from safetensors.torch import load_file
 
 from titans.train import Trainer, load_train_config, train
-from titans.train.checkpoint import (RUN_MARKER, latest_checkpoint, list_checkpoints, load_trainer_state,
-                                     load_weights, prepare_run_dir)
+from titans.train.checkpoint import (
+    RUN_MARKER,
+    latest_checkpoint,
+    list_checkpoints,
+    load_trainer_state,
+    load_weights,
+    prepare_run_dir,
+)
 
 
 def weights(run_dir):

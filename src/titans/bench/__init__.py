@@ -166,8 +166,16 @@ def stability(
     from functools import partial
     from multiprocessing import get_context
 
-    from .stability import (RULES, StabilityGrid, as_json, describe_streams, format_summary, run_stream, run_training,
-                            summarize)
+    from .stability import (
+        RULES,
+        StabilityGrid,
+        as_json,
+        describe_streams,
+        format_summary,
+        run_stream,
+        run_training,
+        summarize,
+    )
 
     grid = StabilityGrid(
         depths=_int_list(depths, "depths"), activations=_choices(activations, "activations", ("gelu", "silu")),
@@ -223,8 +231,8 @@ def recall(
     from concurrent.futures import ProcessPoolExecutor
     from multiprocessing import get_context
 
-    from ..models import VARIANTS
     from ..experiments import train_one
+    from ..models import VARIANTS
     from .recall import MULTIPLES, SIZES, TASKS, collect, format_table, recall_config
 
     chosen_variants = _choices(variants, "variants", VARIANTS)

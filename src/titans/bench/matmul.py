@@ -83,8 +83,8 @@ def measure(rows: int, d_in: int, d_out: int, batch: int, dram_mib: int, repeats
 
 
 def format_table(points: list[MatmulPoint]) -> str:
-    lines = ["| product (each batch element) | implementation | state from | µs per batch | GFLOP/s | state read GiB/s |",
-             "|---|---|---|---:|---:|---:|"]
-    lines += [f"| {p.shape} | {p.implementation} | {p.source} | {p.micros:.0f} | {p.gflops:.0f} | {p.state_gib_s:.1f} |"
-              for p in points]
+    lines = ["| product (each batch element) | implementation | state from | µs per batch | GFLOP/s "
+             "| state read GiB/s |", "|---|---|---|---:|---:|---:|"]
+    lines += [f"| {p.shape} | {p.implementation} | {p.source} | {p.micros:.0f} | {p.gflops:.0f} "
+              f"| {p.state_gib_s:.1f} |" for p in points]
     return "\n".join(lines)

@@ -172,7 +172,8 @@ def format_table(points: list[BenchPoint]) -> str:
             ratio = f"{ours.fwd_bwd_tok_s / ref.fwd_bwd_tok_s:.1f}x"
         lines.append(
             f"| {seq} | {cell(ours, 'fwd_tok_s', '.0f')} | {cell(ours, 'fwd_bwd_tok_s', '.0f')} | "
-            f"{cell(ours, 'peak_mib', '.0f')} | {cell(ref, 'fwd_tok_s', '.0f')} | {cell(ref, 'fwd_bwd_tok_s', '.0f')} | "
+            f"{cell(ours, 'peak_mib', '.0f')} | {cell(ref, 'fwd_tok_s', '.0f')} | "
+            f"{cell(ref, 'fwd_bwd_tok_s', '.0f')} | "
             f"{cell(ref, 'peak_mib', '.0f')} | {ratio} |"
         )
     return "\n".join(lines)

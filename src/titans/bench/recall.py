@@ -12,7 +12,6 @@ is not trained again, and an unfinished one continues from its checkpoint (`expe
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from ..train.config import TrainConfig, load_train_config

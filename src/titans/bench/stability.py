@@ -1,7 +1,8 @@
 """Does the memory stay finite? `titans bench stability`: the inner loop's rule against the paper's, in one run.
 
 Two sweeps, each run with the library's default rule ("ours": unit values, gates from the RMS-normalised input, the
-per-token gradient bound, the bounded state and the normalised chunk step, DESIGN.md §1) and with the paper's unbounded rule ("paper"):
+per-token gradient bound, the bounded state and the normalised chunk step, DESIGN.md §1) and with the paper's
+unbounded rule ("paper"):
 
 * **streams**: `NeuralMemory` with its defaults but for the swept fields (depth, activation, momentum, chunk size),
   random inputs `randn · scale` streamed through one state, without gradients (test time) and, for the first

@@ -1,8 +1,19 @@
 """Building blocks around the memory: norms, RoPE, SwiGLU, attention shapes, persistent tokens, conv."""
 
-from .attention import (Attention, HeadProjections, KVCache, SegmentAttention, SegmentCache, banded_attention,
-                        explicit_attention, reference_attention, reference_segment_attention, segment_attention,
-                        segment_visibility, visibility)
+from .attention import (
+    Attention,
+    HeadProjections,
+    KVCache,
+    SegmentAttention,
+    SegmentCache,
+    banded_attention,
+    explicit_attention,
+    reference_attention,
+    reference_segment_attention,
+    segment_attention,
+    segment_visibility,
+    visibility,
+)
 from .conv import CausalDepthwiseConv, causal_depthwise_conv
 from .mlp import SwiGLU
 from .norm import RMSNorm

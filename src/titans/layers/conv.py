@@ -8,7 +8,8 @@ import torch
 from torch import Tensor, nn
 
 
-def causal_depthwise_conv(x: Tensor, weight: Tensor, bias: Optional[Tensor], cache: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+def causal_depthwise_conv(x: Tensor, weight: Tensor, bias: Optional[Tensor],
+                          cache: Optional[Tensor]) -> tuple[Tensor, Tensor]:
     """y_t = Σ_{j<K} weight[:, j] · x_{t-K+1+j} (+ bias) per channel, over x `[batch, seq, channels]`.
 
     `cache` holds the last K−1 inputs of the previous call (zeros at the stream start), so feeding a

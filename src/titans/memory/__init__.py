@@ -7,4 +7,5 @@ from .mlp import memory_apply
 from .parallel import parallel_memory
 from .reference import sequential_memory
 
-__all__ = ["MemoryState", "NeuralMemory", "delta_rule_memory", "memory_apply", "parallel_memory", "release_workspace", "sequential_memory"]
+__all__ = ["MemoryState", "NeuralMemory", "delta_rule_memory", "memory_apply", "parallel_memory", "release_workspace",
+           "sequential_memory"]

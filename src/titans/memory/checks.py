@@ -77,7 +77,8 @@ def check_memory_args(
         if not isinstance(g, Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(g).__name__}")
         if tuple(g.shape) != (batch, heads, seq):
-            raise ValueError(f"{name} must have shape {(batch, heads, seq)} ([batch, heads, seq]), got {tuple(g.shape)}")
+            raise ValueError(f"{name} must have shape {(batch, heads, seq)} ([batch, heads, seq]), "
+                             f"got {tuple(g.shape)}")
         if not g.is_floating_point():
             raise ValueError(f"{name} must be a floating-point tensor, got {g.dtype}")
         _check_finite(name, g)
@@ -133,7 +134,8 @@ def check_memory_args(
         if not isinstance(s, Tensor) or s.shape != w.shape:
             raise ValueError(f"momentum[{i}] must have the shape of weights[{i}] {tuple(w.shape)}")
         if s.dtype != w.dtype:
-            raise ValueError(f"momentum[{i}] has dtype {s.dtype} but weights[{i}] has {w.dtype}: the state has one dtype")
+            raise ValueError(f"momentum[{i}] has dtype {s.dtype} but weights[{i}] has {w.dtype}: the state has "
+                             "one dtype")
         if s.device != w.device:
             raise ValueError(f"momentum[{i}] is on {s.device} but weights[{i}] is on {w.device}")
     return tuple(momentum)

@@ -54,7 +54,8 @@ def delta_rule_memory(
         n = kc.shape[2]
         beta_prev = torch.cat([torch.ones_like(beta[..., :1]), beta[..., :-1]], dim=-1)  # β_{t−1}, β_{−1} = 1
         B_prev = torch.cat([torch.zeros_like(B[..., :1, :]), B[..., :-1, :]], dim=-2)  # B[t−1, r]: zero for r ≥ t
-        system = torch.eye(n, dtype=W.dtype, device=W.device) + step.unsqueeze(-1) * B_prev * (kc @ kc.transpose(-1, -2))
+        gram = kc @ kc.transpose(-1, -2)
+        system = torch.eye(n, dtype=W.dtype, device=W.device) + step.unsqueeze(-1) * B_prev * gram
         rhs = step.unsqueeze(-1) * (vc - beta_prev.unsqueeze(-1) * (kc @ W))
         u = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
         y = beta.unsqueeze(-1) * (qc @ W) + (B * (qc @ kc.transpose(-1, -2))) @ u

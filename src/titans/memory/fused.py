@@ -472,9 +472,10 @@ def _run_chunks(cfg: ScanConfig, keep: bool, start: State, chunks: range, q, k, 
     `_backward_chunks` needs (a `Record`), else None."""
     native = _native(q)
     if native is not None:
-        record = native.run_chunks(cfg.chunk_size, cfg.activation, cfg.residual, cfg.max_grad_norm, cfg.max_state_norm,
-                                   cfg.normalize_chunk, cfg.record, keep, start, chunks.start, chunks.stop, q, k, v, theta,
-                                   [list(b) for b in blocks], y, slots, last or [], scales, replay)
+        record = native.run_chunks(cfg.chunk_size, cfg.activation, cfg.residual, cfg.max_grad_norm,
+                                   cfg.max_state_norm, cfg.normalize_chunk, cfg.record, keep, start, chunks.start,
+                                   chunks.stop, q, k, v, theta, [list(b) for b in blocks], y, slots, last or [],
+                                   scales, replay)
         return record if keep else None
     starts, caches, cur = [], [], start
     bound = _state_norms(start) if scales is not None and not replay else None

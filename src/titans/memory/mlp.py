@@ -76,8 +76,10 @@ def memory_apply(x: Tensor, weights: Weights, activation: str = "gelu", residual
     return x + h if residual else h
 
 
-def forward_cached(x: Tensor, weights: Weights, activation: str, residual: bool,
-                   matmul: Callable[[Tensor, Tensor], Tensor] = torch.matmul) -> tuple[Tensor, list[Tensor], list[Tensor]]:
+def forward_cached(
+    x: Tensor, weights: Weights, activation: str, residual: bool,
+    matmul: Callable[[Tensor, Tensor], Tensor] = torch.matmul,
+) -> tuple[Tensor, list[Tensor], list[Tensor]]:
     """M(x; W) plus each layer's input `a_{i-1}` and pre-activation `z_i` (for `backward_deltas`); `matmul` is
     the fused path's state product (`state_ops.xw`)."""
     sigma = ACTIVATIONS[activation][0]

@@ -206,11 +206,11 @@ def parallel_memory(
             and S_i are scaled back, per batch and head, onto the ball ‖·‖_F ≤ max_state_norm · √d_out (the default
             initialisation has ‖W_i‖_F ≈ √d_out), the scale being a constant to the outer gradient. Not in the
             paper; with it no input or gate can make the state grow without bound. None: no bound.
-        normalize_chunk: the normalised chunk step: token s's step in the weights W_t of its chunk's token t is scaled by
-            K[t,s] = G_ss / Σ_{r≤t} |G_sr|, G the Gram matrix of the chunk's per-token gradients (all taken at the
-            chunk's starting weights, `mlp.chunk_step_norm`), so tokens whose gradients overlap share one step instead
-            of each taking its own. A constant to the outer gradient; causal; chunk size 1 is unchanged. Not in the
-            paper; without it a chunk of similar keys overshoots its own targets (DESIGN.md §1).
+        normalize_chunk: the normalised chunk step: token s's step in the weights W_t of its chunk's token t is
+            scaled by K[t,s] = G_ss / Σ_{r≤t} |G_sr|, G the Gram matrix of the chunk's per-token gradients (all taken
+            at the chunk's starting weights, `mlp.chunk_step_norm`), so tokens whose gradients overlap share one step
+            instead of each taking its own. A constant to the outer gradient; causal; chunk size 1 is unchanged. Not in
+            the paper; without it a chunk of similar keys overshoots its own targets (DESIGN.md §1).
         checkpoint_chunks: when autograd is recording, recompute groups of this many chunks in the backward
             pass so memory holds one state per group instead of per chunk. None: no recomputation.
         implementation: "fused" (default; `fused.py`: hand-written backward, reused buffers) or "autograd"

@@ -54,7 +54,8 @@ def sequential_memory(
         if isinstance(theta, Tensor):
             theta_chunk = theta[:, :, start:end]
         else:
-            surprise = ((memory_apply(k[:, :, start:end], W_start, activation, residual) - v[:, :, start:end]) ** 2).sum(-1)
+            error = memory_apply(k[:, :, start:end], W_start, activation, residual) - v[:, :, start:end]
+            surprise = (error**2).sum(-1)
             theta_chunk = theta(surprise, start, end)
         grads, steps = [], []
         for t in range(start, end):

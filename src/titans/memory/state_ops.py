@@ -30,6 +30,7 @@ import hashlib
 import os
 import platform
 import shutil
+import sys
 import threading
 import warnings
 from pathlib import Path
@@ -75,7 +76,8 @@ def combine_reference(out: Tensor, W: Tensor, beta: Tensor, A: Rows, G: Rows, al
     # Everything read from W and S before `out` (which may be W) is written.
     dots = xW = xS = gWt = gPt = None
     if dots_with is not None:
-        dots = torch.stack([_flat_dot(dots_with, W), _flat_dot(dots_with, S) if S is not None else W.new_zeros(len(W))], 1)
+        dot_S = _flat_dot(dots_with, S) if S is not None else W.new_zeros(len(W))
+        dots = torch.stack([_flat_dot(dots_with, W), dot_S], 1)
     if x is not None:
         xW, xS = xw_reference(x, W), xw_reference(x, S)
     if gt is not None:
@@ -153,6 +155,16 @@ def state_kernels():
     return module if module is not None and module.STATE_KERNELS else None
 
 
+def _is_built(name: str) -> bool:
+    """Whether torch's extension cache already holds the module `name` (then `load` only imports it)."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory  # where `load` builds and caches
+
+        return any(Path(_get_build_directory(name, verbose=False)).glob(f"{name}*.so"))
+    except Exception:  # a private helper: if it moves, say nothing rather than fail
+        return True
+
+
 def _build():
     flags = _cpu_flags()
     reason = _why_not_buildable(flags)
@@ -164,8 +176,12 @@ def _build():
         # The header is in the name too: `load` rebuilds when a source changes, but does not look at headers.
         key = " ".join(sorted(flags)).encode() + (_KERNELS / "state_ops.h").read_bytes()
         digest = hashlib.sha1(key).hexdigest()[:10]
+        name = f"titans_state_ops_{digest}"
+        if not _is_built(name):  # a minute of compiling should not look like a hang
+            print("titans: building the CPU kernels (first use, about a minute; cached after)", file=sys.stderr,
+                  flush=True)
         try:
-            return load(f"titans_state_ops_{digest}", [str(p) for p in _SOURCES],
+            return load(name, [str(p) for p in _SOURCES],
                         extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
         except Exception as err:  # a broken toolchain must not stop the library: the references remain
             lines = str(err).splitlines()

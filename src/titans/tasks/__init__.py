@@ -5,8 +5,7 @@ returns a `TokenBatch` or `SeriesBatch` of exactly `length` positions.
 """
 
 from . import babilong, copying, forecast, lm, needle, recall  # noqa: F401  (importing registers the tasks)
-from .base import (IGNORE_INDEX, TASKS, SeriesBatch, Task, TaskOptions, TokenBatch, exact_match, get_task,
-                   token_accuracy)
+from .base import IGNORE_INDEX, TASKS, SeriesBatch, Task, TaskOptions, TokenBatch, exact_match, get_task, token_accuracy
 from .lm import bits_per_byte
 from .recall import CapacityResult, measure_capacity
 

@@ -27,7 +27,7 @@ class TokenBatch(NamedTuple):
 
 
 class SeriesBatch(NamedTuple):
-    """A batch of a series task: `inputs` [B, T, F] float, `targets` [B, T, F] float (the next step of each position)."""
+    """A batch of a series task: `inputs` [B, T, F] float, `targets` [B, T, F] float (each position's next step)."""
 
     inputs: Tensor
     targets: Tensor

@@ -8,8 +8,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from .base import (IGNORE_INDEX, Task, TaskOptions, TokenBatch, answer_targets, distinct_tokens, register,
-                   token_accuracy)
+from .base import IGNORE_INDEX, Task, TaskOptions, TokenBatch, answer_targets, distinct_tokens, register, token_accuracy
 
 
 def check_pairs(num_pairs: int, vocab: int, specials: int) -> None:

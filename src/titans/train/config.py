@@ -100,7 +100,7 @@ class TrainConfig(Config):
     checkpoint_every: int = 100  # 0: only at the end (or when time_budget_s runs out)
     keep_checkpoints: int = 2  # newest checkpoints kept in run_dir/checkpoints
     log_every: int = 10
-    max_skips_in_row: int = 20  # stop with an error after this many steps in a row skipped for a non-finite loss/gradient
+    max_skips_in_row: int = 20  # stop with an error after this many steps in a row skipped (non-finite loss/gradient)
     time_budget_s: float | None = None  # stop (and checkpoint) once training took this long; None: no limit
     device: Literal["cpu", "cuda", "auto"] = "cpu"
     dtype: Literal["float32", "float64"] = "float32"  # parameter and activation dtype
@@ -173,7 +173,8 @@ def load_train_config(path: str | Path | None = None, overrides: list[str] | Non
     data = apply_overrides(data, overrides)
     cfg = TrainConfig.from_dict(data)
     task = get_task(cfg.task.name, **cfg.task.options)
-    for field, lengths in (("task.train_length", [cfg.task.train_length]), ("task.eval_lengths", cfg.task.eval_lengths)):
+    lengths_of = (("task.train_length", [cfg.task.train_length]), ("task.eval_lengths", cfg.task.eval_lengths))
+    for field, lengths in lengths_of:
         if min(lengths) < task.min_length():
             raise ValueError(f"{field} ({min(lengths)}) is shorter than task {task.name} needs "
                              f"({task.min_length()} with its options)")

@@ -31,8 +31,15 @@ from tqdm.auto import tqdm
 from ..models import ForecastHead, TitansEncoder, TitansLM
 from ..tasks import IGNORE_INDEX, Task, TokenBatch, bits_per_byte, exact_match, get_task, token_accuracy
 from ..tasks.base import Batch
-from .checkpoint import (check_run_dir, latest_checkpoint, load_checkpoint_config, load_trainer_state, load_weights,
-                         prepare_run_dir, save_checkpoint)
+from .checkpoint import (
+    check_run_dir,
+    latest_checkpoint,
+    load_checkpoint_config,
+    load_trainer_state,
+    load_weights,
+    prepare_run_dir,
+    save_checkpoint,
+)
 from .config import OptimConfig, TrainConfig, check_model_fits_task, resume_mismatches
 
 TRAIN_STREAM, EVAL_STREAM = 1, 2  # keep the training and evaluation data streams disjoint
