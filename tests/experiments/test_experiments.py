@@ -223,25 +223,22 @@ def test_cli_lists_runs_and_reports(quick_results, tmp_path):
     assert (tmp_path / "R.md").is_file()
 
 
-def test_bad_experiment_files_name_the_problem(tmp_path):
-    (tmp_path / "bad.yaml").write_text("tasks: {a: {name: passkey}}\nvariants: [lmm, gpt]\n")
-    with pytest.raises(ValueError, match="gpt"):
-        load_experiment("bad", folder=tmp_path)
-    (tmp_path / "other.yaml").write_text("name: different\n")
-    with pytest.raises(ValueError, match="must be the file's name"):
-        load_experiment("other", folder=tmp_path)
-    (tmp_path / "typo.yaml").write_text("tasks: {a: {name: passkey}}\nseeds: [0, 0]\n")
-    with pytest.raises(ValueError, match="seeds"):
-        load_experiment("typo", folder=tmp_path)
-    (tmp_path / "extra.yaml").write_text("tasks: {a: {name: passkey}}\nextra_models: {big: {dim: 64}}\n")
-    with pytest.raises(ValueError, match="extra_models.big must name its variant"):
-        load_experiment("extra", folder=tmp_path)
-    (tmp_path / "clash.yaml").write_text("tasks: {a: {name: passkey}}\nextra_models: {mac: {variant: mac}}\n")
-    with pytest.raises(ValueError, match="not a variant's name"):
-        load_experiment("clash", folder=tmp_path)
-    (tmp_path / "task.yaml").write_text("tasks: {a: {name: passkey, options: {vocab: 2}}}\n")
-    with pytest.raises(ValueError, match="run lmm-s0|vocab"):
-        expand(load_experiment("task", folder=tmp_path))
+BAD_EXPERIMENTS = {
+    "bad": ("tasks: {a: {name: passkey}}\nvariants: [lmm, gpt]\n", "gpt"),
+    "other": ("name: different\n", "must be the file's name"),
+    "typo": ("tasks: {a: {name: passkey}}\nseeds: [0, 0]\n", "seeds"),
+    "extra": ("tasks: {a: {name: passkey}}\nextra_models: {big: {dim: 64}}\n", "big must name its variant"),
+    "clash": ("tasks: {a: {name: passkey}}\nextra_models: {mac: {variant: mac}}\n", "not a variant's name"),
+    "task": ("tasks: {a: {name: passkey, options: {vocab: 2}}}\n", "run lmm-s0|vocab"),  # found when expanded
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_EXPERIMENTS))
+def test_bad_experiment_files_name_the_problem(tmp_path, name):
+    text, message = BAD_EXPERIMENTS[name]
+    (tmp_path / f"{name}.yaml").write_text(text)
+    with pytest.raises(ValueError, match=message):
+        expand(load_experiment(name, folder=tmp_path))
 
 
 def test_streamed_evaluation_matches_whole_sequences():
