@@ -44,7 +44,7 @@ def test_the_issue_experiments_are_shipped_and_load_in_both_tiers():
                 assert run.config.time_budget_s == full.time_budget_s and run.config.threads == 1
 
 
-@pytest.mark.parametrize("name", ["niah", "babilong", "mqar", "long"])
+@pytest.mark.parametrize("name", ["niah", "babilong", "mqar", "long", "sine"])
 def test_full_grids_are_parameter_matched(name):
     """Within a size, every variant of a train experiment has the same parameters to within 2%."""
     exp = load_experiment(name, folder=FOLDER)
@@ -181,7 +181,7 @@ def test_report_is_written_from_the_json_alone(quick_results, tmp_path):
     assert f"{value:.2f}" in text
     block = readme.read_text()
     assert block.startswith("intro\n") and block.endswith("outro\n") and "old block" not in block
-    assert "RESULTS.md" in block and block.count("|---|") == len(ISSUE_EXPERIMENTS)
+    assert "RESULTS.md" in block and block.count("|---|") == len(load_results(copied))  # a headline each
 
 
 def test_report_refuses_bad_input_and_changes_nothing(tmp_path):
@@ -223,6 +223,17 @@ def test_cli_lists_runs_and_reports(quick_results, tmp_path):
     assert (tmp_path / "R.md").is_file()
 
 
+def test_published_figures_stand_beside_ours_never_among_them(quick_results):
+    from titans.experiments.report import published_table
+
+    results_dir, _ = quick_results
+    data = json.loads((results_dir / "sine.json").read_text())
+    assert data["published"]["values"]["swa"] == 0.0365 and "the proof-of-concept" in data["published"]["source"]
+    assert set(data["results"]) == {"mac", "swa", "mac depth1"}  # the quick tier's rows: ours only
+    table = published_table(data)
+    assert "| swa | " in table and " | 0.0365 |" in table and "| lstm | not run | 0.0156 |" in table
+
+
 BAD_EXPERIMENTS = {
     "bad": ("tasks: {a: {name: passkey}}\nvariants: [lmm, gpt]\n", "gpt"),
     "other": ("name: different\n", "must be the file's name"),
@@ -230,6 +241,8 @@ BAD_EXPERIMENTS = {
     "extra": ("tasks: {a: {name: passkey}}\nextra_models: {big: {dim: 64}}\n", "big must name its variant"),
     "clash": ("tasks: {a: {name: passkey}}\nextra_models: {mac: {variant: mac}}\n", "not a variant's name"),
     "task": ("tasks: {a: {name: passkey, options: {vocab: 2}}}\n", "run lmm-s0|vocab"),  # found when expanded
+    "quoted": ("tasks: {a: {name: passkey}}\npublished: {values: {lmm: 0.5}}\n", "source"),
+    "stray": ("tasks: {a: {name: passkey}}\npublished: {source: x, values: {gpt: 0.5}}\n", "rows not in the grid"),
 }
 
 

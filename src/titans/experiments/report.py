@@ -176,6 +176,18 @@ def run_facts(data: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def published_table(data: dict[str, Any]) -> str:
+    """Ours beside figures published elsewhere for the same experiment (quoted from the YAML, with their source)."""
+    published = data["published"]
+    setting = published.get("setting") or next(iter(data["panels"].values()))["settings"][-1]
+    lines = [f"Beside published figures ({published['source']}), at {data.get('x_label', 'x')} {setting}:", "",
+             "| model | ours | published |", "|---|---:|---:|"]
+    for model, theirs in published["values"].items():
+        ours = fmt(data["results"][model].get(setting), data["metric"]) if model in data["results"] else "not run"
+        lines.append(f"| {model} | {ours} | {theirs:g} |")
+    return "\n".join(lines)
+
+
 def section(data: dict[str, Any], json_path: Path, plot_path: Path, relative_to: Path) -> str:
     seeds = sorted({r["seed"] for r in data["runs"].values() if "seed" in r})
     parts = [f"## {data.get('title', data['experiment'])}", "",
@@ -191,6 +203,8 @@ def section(data: dict[str, Any], json_path: Path, plot_path: Path, relative_to:
         heading = [f"{name}:", ""] if name else []
         labels = [f"{data.get('x_label', 'x')} {x_text(x)}" if i == 0 else x_text(x) for i, x in enumerate(panel["x"])]
         parts += heading + [panel_table(data, panel, labels), ""]
+    if data.get("published"):
+        parts += [published_table(data), ""]
     parts += [f"![{data['experiment']}]({relative(plot_path, relative_to)})", ""]
     facts = run_facts(data)
     if facts:

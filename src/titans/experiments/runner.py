@@ -8,7 +8,8 @@ machine cannot hold, too many skipped steps) is recorded with its error and a nu
 The results JSON (`docs/results/<experiment>.json`) holds everything the report needs:
 
     {"experiment", "title", "about", "discussion", "tier", "command", "machine", "metric", "higher_is_better",
-     "x_label", "x_axis", "panels": {"<panel>": {"settings": [...], "x": [...]}},
+     "x_label", "x_axis", "published" (others' figures for the same experiment, or null),
+     "panels": {"<panel>": {"settings": [...], "x": [...]}},
      "results": {"<model>": {"<setting>": value (the mean over seeds), ...}, ...},
      "spread": {"<model>": {"<setting>": [min, max] over seeds}},
      "runs": {"<run id>": {"model", "panel", "task", "seed", "config", "num_parameters", "steps", "seconds",
@@ -193,7 +194,8 @@ def run_experiment(exp: Experiment, results_dir: Path, runs_dir: Path, jobs: int
               "discussion": " ".join(exp.discussion.split()), "tier": "quick" if quick else "full", "kind": exp.kind,
               "command": "titans experiment run " + exp.name + (" --quick" if quick else ""),
               "machine": describe_machine(), "metric": exp.metric, "higher_is_better": exp.higher_is_better,
-              "x_label": exp.x_label, "x_axis": exp.x_axis, "compare": [list(pair) for pair in exp.compare]}
+              "x_label": exp.x_label, "x_axis": exp.x_axis, "compare": [list(pair) for pair in exp.compare],
+              "published": exp.published.to_dict() if exp.published.values else None}
     if exp.kind == "train":
         runs = expand(exp)
         dirs = [runs_dir / exp.name / run.run_id for run in runs]

@@ -82,6 +82,19 @@ class EfficiencyGrid(Config):
 
 
 @dataclasses.dataclass
+class Published(Config):
+    """Figures someone else published for the same experiment, shown beside ours (never mixed into our results)."""
+
+    source: str = ""  # who published them, where
+    values: dict[str, float] = dataclasses.field(default_factory=dict)  # our row's label -> their figure
+    setting: Optional[str] = None  # the column of ours they compare with; None: the last of the first panel
+
+    def validate(self) -> None:
+        if self.values and not self.source:
+            raise ValueError("published.source must say where the published values come from")
+
+
+@dataclasses.dataclass
 class Experiment(Config):
     name: str = ""
     title: str = ""
@@ -107,6 +120,7 @@ class Experiment(Config):
     capacity: CapacityGrid = dataclasses.field(default_factory=CapacityGrid)
     efficiency: EfficiencyGrid = dataclasses.field(default_factory=EfficiencyGrid)
     compare: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (model, against): ratios reported
+    published: Published = dataclasses.field(default_factory=Published)
     quick: dict[str, Any] = dataclasses.field(default_factory=dict)  # changes for the test suite's tier
 
     def validate(self) -> None:
@@ -122,6 +136,10 @@ class Experiment(Config):
             if changes.get("variant") not in VARIANTS:
                 raise ValueError(f"extra_models.{label} must name its variant (one of {', '.join(VARIANTS)}), "
                                  f"got {changes.get('variant')!r}")
+        unknown_rows = sorted(set(self.published.values) - set(VARIANTS) - set(self.extra_models))
+        if unknown_rows:
+            raise ValueError(f"published.values names rows not in the grid (neither a variant nor an extra model): "
+                             f"{unknown_rows}")
         if sorted(set(self.variant_overrides) - set(self.variants)):
             raise ValueError(f"variant_overrides names variants not in the grid: "
                              f"{sorted(set(self.variant_overrides) - set(self.variants))}")
