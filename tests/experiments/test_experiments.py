@@ -241,6 +241,8 @@ BAD_EXPERIMENTS = {
     "extra": ("tasks: {a: {name: passkey}}\nextra_models: {big: {dim: 64}}\n", "big must name its variant"),
     "clash": ("tasks: {a: {name: passkey}}\nextra_models: {mac: {variant: mac}}\n", "not a variant's name"),
     "task": ("tasks: {a: {name: passkey, options: {vocab: 2}}}\n", "run lmm-s0|vocab"),  # found when expanded
+    "twins": ("tasks: {a: {name: passkey}, x-a: {name: passkey}}\nvariants: [lmm]\n"
+              "extra_models: {lmm x: {variant: lmm}}\n", "share a directory"),  # lmm + x-a, lmm x + a
     "quoted": ("tasks: {a: {name: passkey}}\npublished: {values: {lmm: 0.5}}\n", "source"),
     "stray": ("tasks: {a: {name: passkey}}\npublished: {source: x, values: {gpt: 0.5}}\n", "rows not in the grid"),
 }

@@ -259,6 +259,10 @@ def expand(exp: Experiment) -> list[Run]:
                     except ValueError as err:
                         raise ValueError(f"experiment {exp.name}, run {run_id}: {err}") from None
                     runs.append(Run(run_id, label, "/".join(panel_parts), task_label, seed, cfg))
+    ids = [run.run_id for run in runs]
+    clashes = sorted({i for i in ids if ids.count(i) > 1})
+    if clashes:  # e.g. an extra model "lmm depth1" beside a size "depth1" of lmm: two runs, one directory
+        raise ValueError(f"experiment {exp.name}: runs {clashes} would share a directory; rename a label")
     slow_first = {v: i for i, v in enumerate(("mac", "mag", "mal", "lmm", "gated_deltanet", "transformer", "swa",
                                                "lstm"))}
     return sorted(runs, key=lambda r: slow_first[r.config.model.variant])
