@@ -86,8 +86,50 @@ def panel_table(data: dict[str, Any], panel: dict[str, Any], labels: list[str],
     return "\n".join(lines)
 
 
+def heatmap_cells(data: dict[str, Any]) -> tuple[list[float], list[float], dict[tuple[float, float], float]]:
+    """(x values, y values, {(x, y): result}) of the rows that set both heat-map fields, at the last setting of the
+    first panel; rows without them (a baseline) stay in the table only."""
+    axes = data["heatmap"]
+    setting = next(iter(data["panels"].values()))["settings"][-1]
+    cells = {}
+    for run in data["runs"].values():
+        model = run.get("config", {}).get("model", {})
+        value = data["results"].get(run["model"], {}).get(setting)
+        if model.get(axes["x"]) is not None and model.get(axes["y"]) is not None and value is not None:
+            cells[(model[axes["x"]], model[axes["y"]])] = value
+    return sorted({x for x, _ in cells}), sorted({y for _, y in cells}), cells
+
+
+def plot_heatmap(data: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    xs, ys, cells = heatmap_cells(data)
+    grid = [[cells.get((x, y), float("nan")) for x in xs] for y in ys]
+    fig, ax = plt.subplots(figsize=(1.2 * len(xs) + 2.4, 1.0 * len(ys) + 1.6))
+    image = ax.imshow(grid, origin="lower", cmap="viridis" if data["higher_is_better"] else "viridis_r")
+    for i, row in enumerate(grid):
+        for j, value in enumerate(row):
+            ax.text(j, i, fmt(value, data["metric"]) if value == value else "-", ha="center", va="center",
+                    fontsize=8, color="white")
+    ax.set_xticks(range(len(xs)), [x_text(x) for x in xs])
+    ax.set_yticks(range(len(ys)), [x_text(y) for y in ys])
+    ax.set_xlabel(data["heatmap"]["x"], fontsize=8)
+    ax.set_ylabel(data["heatmap"]["y"], fontsize=8)
+    fig.colorbar(image, ax=ax, label=data["metric"])
+    ax.set_title(data.get("title", data["experiment"]), fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def plot(data: dict[str, Any], path: Path) -> None:
-    """One panel per plot panel, a line per model against x (log2 axis when x spans a factor of 8 or more)."""
+    """One panel per plot panel, a line per model against x (log2 axis when x spans a factor of 8 or more); a heat map
+    over two model settings where the experiment asks for one."""
+    if data.get("heatmap"):
+        return plot_heatmap(data, path)
     import matplotlib
 
     matplotlib.use("Agg")

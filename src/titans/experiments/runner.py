@@ -8,7 +8,7 @@ machine cannot hold, too many skipped steps) is recorded with its error and a nu
 The results JSON (`docs/results/<experiment>.json`) holds everything the report needs:
 
     {"experiment", "title", "about", "discussion", "tier", "command", "machine", "metric", "higher_is_better",
-     "x_label", "x_axis", "published" (others' figures for the same experiment, or null),
+     "x_label", "x_axis", "published" (others' figures for the same experiment, or null), "heatmap" (or null),
      "panels": {"<panel>": {"settings": [...], "x": [...]}},
      "results": {"<model>": {"<setting>": value (the mean over seeds), ...}, ...},
      "spread": {"<model>": {"<setting>": [min, max] over seeds}},
@@ -195,7 +195,8 @@ def run_experiment(exp: Experiment, results_dir: Path, runs_dir: Path, jobs: int
               "command": "titans experiment run " + exp.name + (" --quick" if quick else ""),
               "machine": describe_machine(), "metric": exp.metric, "higher_is_better": exp.higher_is_better,
               "x_label": exp.x_label, "x_axis": exp.x_axis, "compare": [list(pair) for pair in exp.compare],
-              "published": exp.published.to_dict() if exp.published.values else None}
+              "published": exp.published.to_dict() if exp.published.values else None,
+              "heatmap": exp.heatmap.to_dict() if exp.heatmap.x else None}
     if exp.kind == "train":
         runs = expand(exp)
         dirs = [runs_dir / exp.name / run.run_id for run in runs]

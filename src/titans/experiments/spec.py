@@ -95,6 +95,24 @@ class Published(Config):
 
 
 @dataclasses.dataclass
+class HeatMap(Config):
+    """The figure as a heat map over two model settings of the rows (e.g. constant θ and η), instead of lines."""
+
+    x: str = ""  # a TitansConfig field, e.g. memory_init_theta
+    y: str = ""
+
+    def validate(self) -> None:
+        from ..models.config import TitansConfig
+
+        fields = {f.name for f in dataclasses.fields(TitansConfig)}
+        for axis in (self.x, self.y):
+            if axis and axis not in fields:
+                raise ValueError(f"heatmap axes must be model fields (TitansConfig), got {axis!r}")
+        if bool(self.x) != bool(self.y):
+            raise ValueError("heatmap needs both x and y (or neither)")
+
+
+@dataclasses.dataclass
 class Experiment(Config):
     name: str = ""
     title: str = ""
@@ -121,6 +139,7 @@ class Experiment(Config):
     efficiency: EfficiencyGrid = dataclasses.field(default_factory=EfficiencyGrid)
     compare: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (model, against): ratios reported
     published: Published = dataclasses.field(default_factory=Published)
+    heatmap: HeatMap = dataclasses.field(default_factory=HeatMap)
     quick: dict[str, Any] = dataclasses.field(default_factory=dict)  # changes for the test suite's tier
 
     def validate(self) -> None:
