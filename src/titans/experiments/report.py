@@ -161,32 +161,42 @@ def plot(data: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def best_line(data: dict[str, Any], panel: dict[str, Any], name: str, end: int, memory: set[str]) -> str | None:
+    """Who is best at the panel's x number `end`; None where no model has a value there."""
+    setting, x = panel["settings"][end], panel["x"][end]
+    values = {m: r.get(setting) for m, r in data["results"].items() if r.get(setting) is not None}
+    if not values:
+        return None
+    pick = max if panel_better(data, panel) else min
+    top = pick(values.values())
+    where = f"{name}, {data.get('x_label', 'x')} {x_text(x)}" if name else f"{data.get('x_label', 'x')} {x_text(x)}"
+    if len(set(values.values())) == 1:
+        return f"{where}: every model at {fmt(top, data['metric'])}."
+    leaders = [m for m, v in values.items() if v == top]
+    line = f"{where}: best {', '.join(leaders)} ({fmt(top, data['metric'])}" + (", tied)" if len(leaders) > 1 else ")")
+    ours = {m: v for m, v in values.items() if m in memory}
+    theirs = {m: v for m, v in values.items() if m not in memory}
+    if ours and theirs and data.get("kind", "train") == "train":
+        a, b = pick(ours, key=ours.get), pick(theirs, key=theirs.get)
+        line += f"; best Titans variant {a} {fmt(ours[a], data['metric'])} against best baseline {b} " \
+                f"{fmt(theirs[b], data['metric'])}"
+    return line + "."
+
+
 def observations(data: dict[str, Any]) -> list[str]:
-    """Sentences computed from the numbers: per panel, who is best at the largest x, and for train experiments how
-    the best Titans variant compares with the best baseline there."""
+    """Sentences computed from the numbers: per panel, who is best at the smallest and the largest x (train
+    experiments over lengths: the training length and the farthest evaluation), and for train experiments how the
+    best Titans variant compares with the best baseline there."""
     variant_of = {run["model"]: run["config"].get("model", {}).get("variant", run["model"])
                   for run in data["runs"].values() if isinstance(run.get("config"), dict)}
     memory = {m for m in data["results"] if variant_of.get(m, m) in ("lmm", "mac", "mag", "mal")}
     lines = []
     for name, panel in data["panels"].items():
-        setting, x = panel["settings"][-1], panel["x"][-1]
-        values = {m: r.get(setting) for m, r in data["results"].items() if r.get(setting) is not None}
-        if not values:
-            continue
-        better = panel_better(data, panel)
-        pick = max if better else min
-        top = pick(values.values())
-        leaders = [m for m, v in values.items() if v == top]
-        where = f"{name}, {data.get('x_label', 'x')} {x_text(x)}" if name else f"{data.get('x_label', 'x')} {x_text(x)}"
-        line = f"{where}: best {', '.join(leaders)} ({fmt(top, data['metric'])}" + (", tied)" if len(leaders) > 1
-                                                                                    else ")")
-        ours = {m: v for m, v in values.items() if m in memory}
-        theirs = {m: v for m, v in values.items() if m not in memory}
-        if ours and theirs and data.get("kind", "train") == "train":
-            a, b = pick(ours, key=ours.get), pick(theirs, key=theirs.get)
-            line += f"; best Titans variant {a} {fmt(ours[a], data['metric'])} against best baseline {b} " \
-                    f"{fmt(theirs[b], data['metric'])}"
-        lines.append(line + ".")
+        ends = [0, -1] if data.get("kind", "train") == "train" and len(panel["x"]) > 1 else [-1]
+        for end in ends:
+            line = best_line(data, panel, name, end, memory)
+            if line:
+                lines.append(line)
     for model, against in data.get("compare", []):
         for name, panel in data["panels"].items():
             mine, theirs = data["results"].get(model, {}), data["results"].get(against, {})
