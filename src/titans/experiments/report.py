@@ -269,15 +269,22 @@ def section(data: dict[str, Any], json_path: Path, plot_path: Path, relative_to:
 
 
 def headline(data: dict[str, Any], results_md: str, plot_path: str) -> str:
-    """The README's lines for one experiment: its table at the largest x of each panel, the plot, the link."""
+    """The README's lines for one experiment: its table at the largest x of each panel (a train experiment over
+    lengths: at the training length and the largest), the plot, the link."""
     panels = data["panels"]
-    last = {"settings": [p["settings"][-1] for p in panels.values()]}
-    labels = [name or x_text(p["x"][-1]) for name, p in panels.items()]
+    both_ends = data.get("kind", "train") == "train" and data.get("x_axis", "length") == "length"
+    ends = {name: ([0, -1] if both_ends and len(p["x"]) > 1 else [-1]) for name, p in panels.items()}
+    columns = [(name, p, end) for name, p in panels.items() for end in ends[name]]
+    chosen = {"settings": [p["settings"][end] for _, p, end in columns]}
+    labels = [" ".join(filter(None, (name, x_text(p["x"][end]) if len(ends[name]) > 1 or not name else "")))
+              for name, p, end in columns]
+    where = ("the training length and the largest" if both_ends else "the largest") + \
+        f" {data.get('x_label', 'x')} of each panel"
     title = data.get("title", data["experiment"])
     anchor = "".join(c for c in title.lower().replace(" ", "-") if c.isalnum() or c in "-_")
-    return "\n".join([f"**{title}** ({data['metric']} at the largest {data.get('x_label', 'x')} of each panel; "
+    return "\n".join([f"**{title}** ({data['metric']} at {where}; "
                       f"`{data.get('command', '')}`; [details]({results_md}#{anchor}), [plot]({plot_path}))", "",
-                      panel_table(data, last, labels, [panel_better(data, p) for p in panels.values()]), ""])
+                      panel_table(data, chosen, labels, [panel_better(data, p) for _, p, _ in columns]), ""])
 
 
 def write_report(results_dir: Path, out: Path, readme: Path | None = None) -> Path:
