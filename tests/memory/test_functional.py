@@ -298,6 +298,42 @@ def test_normalized_chunk_of_similar_keys_does_not_overshoot(implementation):
     assert loss(normalized) < loss(weights)
 
 
+@pytest.mark.parametrize(
+    "hidden_step, chunk_size, depth, rule",
+    [(0.3, 4, 2, {}), (0.0, 5, 2, {}), (0.3, 1, 3, {}), (0.5, 4, 3, dict(normalize_chunk=True, max_grad_norm=2.0)),
+     (0.3, 16, 2, dict(normalize_chunk=True, max_grad_norm=2.0, max_state_norm=0.6)), (0.3, 4, 1, {})],
+)
+def test_hidden_layer_step_matches_the_reference(hidden_step, chunk_size, depth, rule):
+    """ρ θ_t on every layer but the last, the bounds computed from the whole gradient: values and gradients as the
+    token-by-token reference computes them (the fused implementation hands ρ ≠ 1 to the autograd one); depth 1 has
+    no hidden layer, so ρ changes nothing there."""
+    args = make_inputs(seq=13, depth=depth, requires_grad=True)
+    outs = []
+    for fn in (parallel_memory, sequential_memory):
+        y, W, S = fn(*args, chunk_size=chunk_size, hidden_step=hidden_step, **rule)
+        loss = (y**2).sum() + sum((w**3).sum() for w in W) + sum(s.sum() for s in S)
+        outs.append([y, *W, *S, *torch.autograd.grad(loss, flat(args))])
+    assert max_diff(*outs) <= 1e-10
+    paper = parallel_memory(*args, chunk_size=chunk_size, **rule)[0]
+    assert ((paper - outs[0][0]).abs().max() > 1e-3) == (depth > 1)
+
+
+def test_hidden_step_zero_keeps_the_hidden_layers():
+    """ρ = 0, no forgetting, no momentum carried in: the hidden layers end as they began, the last layer learned."""
+    q, k, v, theta, eta, alpha, weights, _ = make_inputs(seq=13, depth=3)
+    y, W, S = parallel_memory(q, k, v, theta, eta, torch.zeros_like(alpha), weights, chunk_size=4, hidden_step=0.0)
+    for before, after, momentum in zip(weights[:-1], W[:-1], S[:-1]):
+        assert torch.equal(before, after) and not momentum.any()
+    assert (W[-1] - weights[-1]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("step", [-0.1, 1.5, float("nan"), "0.5", True])
+@pytest.mark.parametrize("fn", [parallel_memory, sequential_memory])
+def test_bad_hidden_step(step, fn):
+    with pytest.raises(ValueError, match="hidden_step"):
+        fn(*make_inputs(seq=7), hidden_step=step)
+
+
 @pytest.mark.parametrize("flag", [1, "yes", None])
 @pytest.mark.parametrize("fn", [parallel_memory, sequential_memory])
 def test_bad_normalize_chunk(flag, fn):

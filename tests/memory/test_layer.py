@@ -28,6 +28,7 @@ OPTION_SETS = {
     "no momentum": {"momentum": False},
     "no forgetting": {"forgetting": False},
     "constant gates": {"gates": "constant", "init_theta": 0.5, "init_eta": 0.9, "init_alpha": 1e-3},
+    "hidden layers at 0.3 θ": {"hidden_step": 0.3, "depth": 3, "expansion": 2},
 }
 ABLATIONS = ["linear memory", "no momentum", "no forgetting", "constant gates"]
 

@@ -232,6 +232,8 @@ def test_ablation_switches_reach_every_titans_memory(name):
         assert memory.to_gates is None
     gdn = tiny_model("gated_deltanet", **ABLATION_SWITCHES).backbone.blocks[0].mixer
     assert (gdn.forgetting, gdn.gates) == (True, "data")
+    stepped = tiny_model(name, memory_hidden_step=0.25)
+    assert {m.hidden_step for m in stepped.modules() if isinstance(m, NeuralMemory)} == {0.25}
 
 
 def test_save_and_load_pretrained(tmp_path):
@@ -303,6 +305,7 @@ def test_a_failed_save_leaves_the_previous_model_whole(tmp_path, monkeypatch):
         ({"memory_init_alpha": 1.0}, "memory_init_alpha"),
         ({"memory_max_grad_norm": -1.0}, "memory_max_grad_norm"),
         ({"memory_gates": "learned"}, "memory_gates"),
+        ({"memory_hidden_step": 1.5}, "memory_hidden_step"),
         ({"memory_gates": "constant", "surprise_gate": True}, "memory_gates"),
     ],
 )

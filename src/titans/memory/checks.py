@@ -54,6 +54,7 @@ def check_memory_args(
     max_grad_norm: Optional[float] = None,
     max_state_norm: Optional[float] = None,
     normalize_chunk: bool = False,
+    hidden_step: float = 1.0,
 ) -> Weights:
     """Validate the memory call; return the momentum (zeros when None)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -94,6 +95,9 @@ def check_memory_args(
         if bound is not None and (isinstance(bound, bool) or not isinstance(bound, (int, float))
                                   or not 0 < bound < float("inf")):
             raise ValueError(f"{name} must be a positive finite number or None, got {bound!r}")
+    if isinstance(hidden_step, bool) or not isinstance(hidden_step, (int, float)) or not 0 <= hidden_step <= 1:
+        raise ValueError(f"hidden_step must be a number in [0, 1] (the hidden layers' step as a fraction of θ), "
+                         f"got {hidden_step!r}")
     if not isinstance(normalize_chunk, bool):
         raise ValueError(f"normalize_chunk must be True or False, got {normalize_chunk!r}")
     if activation not in ACTIVATIONS:

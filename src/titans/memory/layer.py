@@ -88,6 +88,8 @@ class NeuralMemory(nn.Module):
             `parallel_memory`); None: the paper's unbounded step.
         normalize_chunk: the normalised chunk step: tokens of a chunk whose gradients overlap share one step instead
             of each taking its own (see `parallel_memory`); False: the paper's sum of the chunk's gradients.
+        hidden_step: ρ, the inner step of every memory layer but the last as a fraction of θ (see
+            `parallel_memory`); 1 is the paper's rule, 0 keeps the hidden layers at their learned W_0 at test time.
         gradients: where each token's inner gradient is taken: "chunk" (at its chunk's starting weights, the
             paper's parallelisable mini-batch form) or "token" (at the weights the previous token left: exact
             online gradient descent, the gated delta rule; needs depth=1, momentum=False, no surprise gate
@@ -123,6 +125,7 @@ class NeuralMemory(nn.Module):
         normalize_inputs: bool = True,
         max_state_norm: Optional[float] = 10.0,
         normalize_chunk: bool = True,
+        hidden_step: float = 1.0,
     ):
         super().__init__()
         if dim < 1 or heads < 1 or dim % heads:
@@ -148,6 +151,8 @@ class NeuralMemory(nn.Module):
             raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
         if gate_pooling not in ("token", "chunk"):
             raise ValueError(f"gate_pooling must be 'token' or 'chunk', got {gate_pooling!r}")
+        if not 0 <= hidden_step <= 1:
+            raise ValueError(f"hidden_step must be in [0, 1], got {hidden_step}")
         if gates not in ("data", "constant"):
             raise ValueError(f"gates must be 'data' or 'constant', got {gates!r}")
         if gates == "constant" and surprise_gate:
@@ -166,7 +171,7 @@ class NeuralMemory(nn.Module):
         self.dim, self.heads, self.head_dim = dim, heads, dim // heads
         self.depth, self.chunk_size, self.max_lr = depth, chunk_size, max_lr
         self.activation, self.use_momentum, self.residual = activation, momentum, residual
-        self.forgetting, self.gates = forgetting, gates
+        self.forgetting, self.gates, self.hidden_step = forgetting, gates, hidden_step
         self.gate_pooling, self.surprise_gate, self.checkpoint_chunks = gate_pooling, surprise_gate, checkpoint_chunks
         self.max_grad_norm, self.max_state_norm = max_grad_norm, max_state_norm
         self.gradients, self.normalize_inputs, self.normalize_chunk = gradients, normalize_inputs, normalize_chunk
@@ -299,7 +304,7 @@ class NeuralMemory(nn.Module):
             q, k, v, theta, eta, alpha, weights, momentum,
             chunk_size=self.chunk_size, activation=self.activation, residual=self.residual,
             checkpoint_chunks=self._checkpoint_group(k.shape[2]), max_grad_norm=self.max_grad_norm,
-            max_state_norm=self.max_state_norm, normalize_chunk=self.normalize_chunk,
+            max_state_norm=self.max_state_norm, normalize_chunk=self.normalize_chunk, hidden_step=self.hidden_step,
         )
 
     # -------------------------------------------------------------------------------------- forward

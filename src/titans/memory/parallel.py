@@ -40,6 +40,7 @@ class Rule(NamedTuple):
     max_grad_norm: Optional[float]
     max_state_norm: Optional[float]
     normalize_chunk: bool
+    hidden_step: float = 1.0
 
 
 def _flat3(t: Tensor) -> Tensor:
@@ -79,6 +80,8 @@ def _chunk_step(
         C = C * norm
         momentum_coef = momentum_coef * norm[..., -1, :]
     beta, c = decays.beta.unsqueeze(-1), decays.c.unsqueeze(-1)
+    if rule.hidden_step != 1.0:  # the hidden layers step ρ θ: their a_sᵀ δ_s terms scaled, after the bounds saw them
+        deltas = [d * rule.hidden_step for d in deltas[:-1]] + [deltas[-1]]
 
     # Retrieval, layer by layer (step 3): z_i = diag(β) h W⁰ + diag(c) h S⁰ − (C ⊙ h aᵀ) δ_i.
     h = q
@@ -160,7 +163,8 @@ def _fused_memory(q, k, v, theta, eta, alpha, weights, momentum, chunk_size, act
     inputs = [t.reshape(batch * heads, *t.shape[2:]).contiguous() for t in (q, k, v, theta, eta, alpha)]
     state = [t.reshape(batch * heads, *t.shape[2:]).contiguous() for pair in zip(weights, momentum) for t in pair]
     record = torch.is_grad_enabled() and any(t.requires_grad for t in inputs + state)
-    cfg = ScanConfig(chunk_size, activation, residual, *rule, checkpoint_chunks, record)
+    cfg = ScanConfig(chunk_size, activation, residual, rule.max_grad_norm, rule.max_state_norm, rule.normalize_chunk,
+                     checkpoint_chunks, record)
     y, *final = MemoryScan.apply(cfg, *inputs, *state)
     final = [t.view(batch, heads, *t.shape[1:]) for t in final]
     return y.view(batch, heads, *y.shape[1:]), tuple(final[0::2]), tuple(final[1::2])
@@ -183,6 +187,7 @@ def parallel_memory(
     max_grad_norm: Optional[float] = None,
     max_state_norm: Optional[float] = None,
     normalize_chunk: bool = False,
+    hidden_step: float = 1.0,
     implementation: str = "fused",
 ) -> tuple[Tensor, Weights, Weights]:
     """Run the Titans memory over a sequence; return (y, weights after the last token, momentum).
@@ -211,6 +216,10 @@ def parallel_memory(
             at the chunk's starting weights, `mlp.chunk_step_norm`), so tokens whose gradients overlap share one step
             instead of each taking its own. A constant to the outer gradient; causal; chunk size 1 is unchanged. Not in
             the paper; without it a chunk of similar keys overshoots its own targets (DESIGN.md §1).
+        hidden_step: ρ, the step of every layer but the last as a fraction of θ_t (1: the paper's rule, every layer
+            at θ_t; 0: the hidden layers keep their weights at test time and only the last layer learns). The bounds
+            above see the whole gradient; ρ then scales the hidden layers' part of the step. Not in the paper. The
+            fused implementation serves ρ = 1; other values take the autograd one.
         checkpoint_chunks: when autograd is recording, recompute groups of this many chunks in the backward
             pass so memory holds one state per group instead of per chunk. None: no recomputation.
         implementation: "fused" (default; `fused.py`: hand-written backward, reused buffers) or "autograd"
@@ -221,8 +230,8 @@ def parallel_memory(
     kept in the dtype of `weights` (use float32 there even when q/k/v are bf16).
     """
     momentum = check_memory_args(q, k, v, theta, eta, alpha, weights, momentum, chunk_size, activation, residual,
-                                 max_grad_norm, max_state_norm, normalize_chunk)
-    rule = Rule(max_grad_norm, max_state_norm, normalize_chunk)
+                                 max_grad_norm, max_state_norm, normalize_chunk, hidden_step)
+    rule = Rule(max_grad_norm, max_state_norm, normalize_chunk, float(hidden_step))
     if checkpoint_chunks is not None and (not isinstance(checkpoint_chunks, int) or checkpoint_chunks < 1):
         raise ValueError(f"checkpoint_chunks must be a positive integer or None, got {checkpoint_chunks!r}")
     if implementation not in ("fused", "autograd"):
@@ -233,7 +242,8 @@ def parallel_memory(
     if isinstance(theta, Tensor):
         theta = theta.to(state_dtype)
     eta, alpha = eta.to(state_dtype), alpha.to(state_dtype)
-    if implementation == "fused" and isinstance(theta, Tensor) and k.shape[2] > 0:
+    if implementation == "fused" and isinstance(theta, Tensor) and k.shape[2] > 0 and (
+            rule.hidden_step == 1.0 or len(weights) == 1):
         y, W, S = _fused_memory(q, k, v, theta, eta, alpha, weights, momentum, chunk_size, activation, residual,
                                 checkpoint_chunks, rule)
         return y.to(out_dtype), W, S

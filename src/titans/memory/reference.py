@@ -32,10 +32,13 @@ def sequential_memory(
     max_grad_norm: Optional[float] = None,
     max_state_norm: Optional[float] = None,
     normalize_chunk: bool = False,
+    hidden_step: float = 1.0,
 ) -> tuple[Tensor, Weights, Weights]:
     """Same contract as `parallel_memory`, computed token by token."""
     momentum = check_memory_args(q, k, v, theta, eta, alpha, weights, momentum, chunk_size, activation, residual,
-                                 max_grad_norm, max_state_norm, normalize_chunk)
+                                 max_grad_norm, max_state_norm, normalize_chunk, hidden_step)
+    # ρ on every layer's step but the last (1: the paper's rule)
+    layer_steps = [hidden_step] * (len(weights) - 1) + [1.0]
     out_dtype, state_dtype = q.dtype, weights[0].dtype
     q, k, v = (t.to(state_dtype) for t in (q, k, v))
 
@@ -84,7 +87,8 @@ def sequential_memory(
                 theta_t = step[:, :, None, None]
                 eta_t = eta[:, :, s_, None, None]
                 keep_t = 1.0 - alpha[:, :, s_, None, None]
-                S = tuple(eta_t * m - theta_t * g for m, g in zip(S, grads[s_ - start]))  # eq. 12
+                # eq. 12, each layer at its step (ρ θ_t for the hidden layers, θ_t for the last)
+                S = tuple(eta_t * m - rho * theta_t * g for m, g, rho in zip(S, grads[s_ - start], layer_steps))
                 W = tuple(keep_t * w + m for w, m in zip(W, S))  # eq. 13: W_t = (1 − α_t) W_{t-1} + S_t
             outputs.append(memory_apply(q[:, :, t : t + 1], W, activation, residual))  # eq. 15: y_t = M(q_t; W_t)
         if max_state_norm is not None:  # the bounded state: W and S back on their balls at the chunk's end

@@ -43,6 +43,7 @@ class TitansConfig(Config):
     memory_forgetting: bool = True  # α (the forgetting gate); False: α = 0, the paper's "w/o weight decay"
     memory_gates: Literal["data", "constant"] = "data"  # constant: θ, η, α fixed at memory_init_* (not trained)
     memory_residual: bool = True  # M(k) = k + MLP(k); False with memory_depth 1 is the paper's linear memory k W
+    memory_hidden_step: float = 1.0  # ρ: the hidden memory layers' inner step as a fraction of θ (1: the paper)
     gate_pooling: Literal["token", "chunk"] = "token"
     surprise_gate: bool = False  # θ_t = θ_max sigmoid(x_t w_θ + b_θ + w_s log(1 + surprise_t))
     conv_kernel: int = 4
@@ -75,6 +76,8 @@ class TitansConfig(Config):
             raise ValueError(f"n_persistent must be >= 0, got {self.n_persistent}")
         if not 0 < self.max_lr:
             raise ValueError(f"max_lr must be > 0, got {self.max_lr}")
+        if not 0 <= self.memory_hidden_step <= 1:
+            raise ValueError(f"memory_hidden_step must be in [0, 1], got {self.memory_hidden_step}")
         if self.memory_gates == "constant" and self.surprise_gate:
             raise ValueError("memory_gates='constant' fixes θ, so it cannot be combined with surprise_gate=True")
         if self.memory_init_theta is not None and not 0 < self.memory_init_theta < self.max_lr:
