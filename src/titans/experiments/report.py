@@ -86,11 +86,16 @@ def panel_table(data: dict[str, Any], panel: dict[str, Any], labels: list[str],
     return "\n".join(lines)
 
 
+def last_setting(data: dict[str, Any]) -> str:
+    """The last column of the first panel: where a single-setting view (heat map, published figures) reads."""
+    return next(iter(data["panels"].values()))["settings"][-1]
+
+
 def heatmap_cells(data: dict[str, Any]) -> tuple[list[float], list[float], dict[tuple[float, float], float]]:
     """(x values, y values, {(x, y): result}) of the rows that set both heat-map fields, at the last setting of the
     first panel; rows without them (a baseline) stay in the table only."""
     axes = data["heatmap"]
-    setting = next(iter(data["panels"].values()))["settings"][-1]
+    setting = last_setting(data)
     cells = {}
     for run in data["runs"].values():
         model = run.get("config", {}).get("model", {})
@@ -231,7 +236,7 @@ def run_facts(data: dict[str, Any]) -> str:
 def published_table(data: dict[str, Any]) -> str:
     """Ours beside figures published elsewhere for the same experiment (quoted from the YAML, with their source)."""
     published = data["published"]
-    setting = published.get("setting") or next(iter(data["panels"].values()))["settings"][-1]
+    setting = published.get("setting") or last_setting(data)
     lines = [f"Beside published figures ({published['source']}), at {data.get('x_label', 'x')} {setting}:", "",
              "| model | ours | published |", "|---|---:|---:|"]
     for model, theirs in published["values"].items():
