@@ -303,13 +303,14 @@ def test_normalized_chunk_of_similar_keys_does_not_overshoot(implementation):
     [(0.3, 4, 2, {}), (0.0, 5, 2, {}), (0.3, 1, 3, {}), (0.5, 4, 3, dict(normalize_chunk=True, max_grad_norm=2.0)),
      (0.3, 16, 2, dict(normalize_chunk=True, max_grad_norm=2.0, max_state_norm=0.6)), (0.3, 4, 1, {})],
 )
-def test_hidden_layer_step_matches_the_reference(hidden_step, chunk_size, depth, rule):
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_hidden_layer_step_matches_the_reference(hidden_step, chunk_size, depth, rule, implementation):
     """ρ θ_t on every layer but the last, the bounds computed from the whole gradient: values and gradients as the
-    token-by-token reference computes them (the fused implementation hands ρ ≠ 1 to the autograd one); depth 1 has
-    no hidden layer, so ρ changes nothing there."""
+    token-by-token reference computes them, on both chunk paths; depth 1 has no hidden layer, so ρ changes nothing
+    there."""
     args = make_inputs(seq=13, depth=depth, requires_grad=True)
     outs = []
-    for fn in (parallel_memory, sequential_memory):
+    for fn in (functools.partial(parallel_memory, implementation=implementation), sequential_memory):
         y, W, S = fn(*args, chunk_size=chunk_size, hidden_step=hidden_step, **rule)
         loss = (y**2).sum() + sum((w**3).sum() for w in W) + sum(s.sum() for s in S)
         outs.append([y, *W, *S, *torch.autograd.grad(loss, flat(args))])

@@ -69,11 +69,13 @@ def test_large_states_take_the_blas_dot_path():
 
 
 @pytest.mark.parametrize("seq, chunk_size, group", [(16, 4, 1), (23, 4, 2), (23, 4, 3), (30, 7, 2), (5, 8, 1)])
-def test_recomputation_groups_do_not_change_gradients(seq, chunk_size, group):
-    """Groups of `group` chunks recomputed in the backward pass, ragged tails included, against no groups."""
+@pytest.mark.parametrize("hidden_step", [1.0, 0.3])
+def test_recomputation_groups_do_not_change_gradients(seq, chunk_size, group, hidden_step):
+    """Groups of `group` chunks recomputed in the backward pass, ragged tails included, against no groups; with the
+    paper's rule and with the hidden layers at ρ θ."""
     args = make_inputs(seq=seq, depth=2, requires_grad=True)
-    grouped = outputs_and_grads(args, "fused", chunk_size=chunk_size, checkpoint_chunks=group)
-    plain = outputs_and_grads(args, "autograd", chunk_size=chunk_size)
+    grouped = outputs_and_grads(args, "fused", chunk_size=chunk_size, checkpoint_chunks=group, hidden_step=hidden_step)
+    plain = outputs_and_grads(args, "autograd", chunk_size=chunk_size, hidden_step=hidden_step)
     assert max_diff(grouped[0], plain[0]) <= 1e-10
     assert max_diff(grouped[1], plain[1]) <= 1e-10
 
@@ -210,7 +212,7 @@ def test_norm_bound_bounds_every_chunk_end_from_above(depth, seed, normalize_chu
     flat = [t.reshape(-1, *t.shape[2:]) for t in (q, k, v, theta, eta, alpha)]
     state = [t.reshape(-1, *t.shape[2:]) for pair in zip(weights, momentum) for t in pair]
     cfg = ScanConfig(chunk_size=4, activation="gelu", residual=True, max_grad_norm=None, max_state_norm=1e6,
-                     normalize_chunk=normalize_chunk, group_chunks=None, record=False)
+                     normalize_chunk=normalize_chunk, hidden_step=1.0, group_chunks=None, record=False)
     blocks = _block_decays(flat[4], flat[5], 4)
     bound, y = _state_norms(state), torch.empty_like(flat[2])
     for j in range(8):

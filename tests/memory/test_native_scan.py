@@ -76,6 +76,18 @@ def test_native_loop_with_the_normalized_chunk_step(monkeypatch, threads, depth,
     assert_close(native, python, 1e-12)
 
 
+@pytest.mark.parametrize("depth, hidden_step, group, bounded", [(2, 0.1, None, False), (3, 0.3, 2, True),
+                                                               (2, 0.0, None, True)])
+def test_native_loop_with_the_hidden_layer_step(monkeypatch, threads, depth, hidden_step, group, bounded):
+    """ρ θ on the hidden layers: with recomputation groups, the gradient bound, the bounded state and ρ = 0."""
+    threads(2)
+    args = make_inputs(batch=2, heads=2, seq=21, depth=depth, requires_grad=True)
+    rule = dict(max_grad_norm=0.5, max_state_norm=0.7, normalize_chunk=True) if bounded else {}
+    native, python = both_loops(monkeypatch, args, chunk_size=4, hidden_step=hidden_step, checkpoint_chunks=group,
+                                **rule)
+    assert_close(native, python, 1e-12)
+
+
 @pytest.mark.parametrize("rows, num_threads", [(1, 2), (3, 2), (4, 3), (5, 1)])
 @pytest.mark.parametrize("seq, chunk_size, group", [(21, 4, None), (21, 4, 2), (16, 16, None), (3, 5, None)])
 def test_slicings_groups_and_ragged_tails(monkeypatch, threads, rows, num_threads, seq, chunk_size, group):

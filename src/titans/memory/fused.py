@@ -60,8 +60,13 @@ class ScanConfig:
     max_grad_norm: Optional[float]
     max_state_norm: Optional[float]  # the bounded state (parallel_memory's max_state_norm)
     normalize_chunk: bool  # the normalised chunk step (parallel_memory's normalize_chunk)
+    hidden_step: float  # ρ, the step of every layer but the last as a fraction of θ (parallel_memory's hidden_step)
     group_chunks: Optional[int]  # chunks per recomputation group; None: one group, nothing recomputed
     record: bool  # save what the backward pass needs
+
+    def layer_step(self, i: int, depth: int) -> float:
+        """Layer i's inner step as a fraction of θ: ρ for a hidden layer, 1 for the last."""
+        return self.hidden_step if i < depth - 1 else 1.0
 
 
 class ChunkDecays(NamedTuple):
@@ -144,6 +149,7 @@ class ChunkCache(NamedTuple):
     p: list[Tensor]  # pre-activations on the keys, p_i = a_i W_i
     m: list[Tensor]  # m_i = δ_{i+1} W_{i+1}ᵀ (so δ_i = m_i ⊙ σ'(p_i)); None for the last layer
     delta: list[Tensor]  # δ_i = ∂ℓ/∂p_i per token
+    step: list[Tensor]  # ρ_i δ_i, what layer i's update applies (δ_i itself where ρ_i = 1)
     dsigma: list[Tensor]  # σ'(p_i); None for the last layer
     h: list[Tensor]  # layer inputs on the queries, h_1 = q
     hW: list[Tensor]  # h_i W_i⁰
@@ -191,6 +197,9 @@ def _chunk_forward(
         norm = chunk_step_norm(a, delta)
         C, u_m = C * norm, u_m * norm[:, -1, :]
     beta, c = dec.beta.unsqueeze(-1), dec.c.unsqueeze(-1)
+    # The hidden layers step ρ θ: their a_sᵀ δ_s terms scaled after the bounds above saw the whole gradient.
+    step = [delta[i] if cfg.layer_step(i, depth) == 1.0 else delta[i] * cfg.layer_step(i, depth)
+            for i in range(depth)]
 
     # Queries at W_t = β_t W⁰ + c_t S⁰ − Σ_s C[t,s] a_sᵀ δ_s, layer by layer (DESIGN.md §2 step 3), and the state after
     # the chunk, its last row (step 4): W ← β_n W⁰ + c_n S⁰ − aᵀ diag(C[n,:]) δ,  S ← e_n S⁰ − aᵀ diag(u_m) δ.
@@ -202,8 +211,8 @@ def _chunk_forward(
     for i in range(depth):
         h_list.append(h)
         if new_state is not None:
-            reads = combine(new_state[2 * i], W[i], dec.beta[:, -1], a[i], u_w * delta[i], -1.0, S=S[i],
-                            c=dec.c[:, -1], out2=new_state[2 * i + 1], e=dec.e_last, G2=u_m_col * delta[i], x=h)
+            reads = combine(new_state[2 * i], W[i], dec.beta[:, -1], a[i], u_w * step[i], -1.0, S=S[i],
+                            c=dec.c[:, -1], out2=new_state[2 * i + 1], e=dec.e_last, G2=u_m_col * step[i], x=h)
             hW.append(reads.xW)
             hS.append(reads.xS)
         else:
@@ -213,14 +222,15 @@ def _chunk_forward(
         r.addcmul_(hS[i], c)
         h_a.append(torch.bmm(h, a[i].transpose(1, 2)))
         C_h_a.append(C * h_a[i])
-        r.baddbmm_(C_h_a[i], delta[i], alpha=-1.0)
+        r.baddbmm_(C_h_a[i], step[i], alpha=-1.0)
         r_list.append(r)
         h = sigma(r) if i < depth - 1 else r
     if cfg.residual:
         torch.add(q, h, out=y_out)
     else:
         y_out.copy_(h)
-    return ChunkCache(a, p, m, delta, dsigma, h_list, hW, hS, r_list, h_a, C_h_a, theta, scale, sq_norm, norm, C, u_m)
+    return ChunkCache(a, p, m, delta, step, dsigma, h_list, hW, hS, r_list, h_a, C_h_a, theta, scale, sq_norm, norm, C,
+                      u_m)
 
 
 # --- one chunk, backward -----------------------------------------------------------------------------
@@ -283,27 +293,30 @@ def _chunk_backward(
     d_q = dy.clone() if cfg.residual else torch.zeros_like(h[0])
     for i in range(depth - 1, -1, -1):
         g_w, g_s = beta * d_r, c * d_r
-        g_u_w, g_u_m = u_w.unsqueeze(-1) * delta[i], u_m.unsqueeze(-1) * delta[i]
+        step_i = cache.step[i]
+        g_u_w, g_u_m = u_w.unsqueeze(-1) * step_i, u_m.unsqueeze(-1) * step_i
         reads = combine(dS[i], dS_new[i], dec.e_last, h[i], g_s, 1.0, S=dW_new[i], c=dec.c[:, -1], dots_with=S[i],
                         x=a[i], gt=(g_u_m, g_u_w, g_s, g_w), Q=W[i])
         a_dS, a_dW, d_h = reads.xW, reads.xS, reads.gPt
         d_e_n += reads.dots[:, 0]
         d_c_n += reads.dots[:, 1]
         d_delta[i] = -(u_w.unsqueeze(-1) * a_dW + u_m.unsqueeze(-1) * a_dS)
-        d_u_w -= (a_dW * delta[i]).sum(-1)
-        d_u_m -= (a_dS * delta[i]).sum(-1)
+        d_u_w -= (a_dW * step_i).sum(-1)
+        d_u_m -= (a_dS * step_i).sum(-1)
         d_a[i] = reads.gWt.neg_()
         d_beta += (d_r * hW[i]).sum(-1)
         d_c += (d_r * hS[i]).sum(-1)
         w_left[i].append(h[i])
         w_right[i].append(g_w)
-        # r −= (C ⊙ h aᵀ) δ
-        r_d = torch.bmm(d_r, delta[i].transpose(1, 2))  # dr_t · δ_s
+        # r −= (C ⊙ h aᵀ) ρ δ
+        r_d = torch.bmm(d_r, step_i.transpose(1, 2))  # dr_t · ρ δ_s
         d_C -= r_d * cache.h_a[i]
         M = C * r_d
         d_h.baddbmm_(M, a[i], alpha=-1.0)
         d_a[i].baddbmm_(M.transpose(1, 2), h[i], alpha=-1.0)
         d_delta[i].baddbmm_(cache.C_h_a[i].transpose(1, 2), d_r, alpha=-1.0)
+        if cfg.layer_step(i, depth) != 1.0:  # so far the gradient of ρ δ_i: make it that of δ_i
+            d_delta[i].mul_(cfg.layer_step(i, depth))
         if i > 0:
             d_r = sigma_vjp(d_h, r[i - 1])
         else:
@@ -423,7 +436,7 @@ def _next_norm_bound(cache: ChunkCache, dec: ChunkDecays, bound: Tensor) -> Tens
     beta_n, c_n, e_n = dec.beta[:, -1:], dec.c[:, -1:], dec.e_last.unsqueeze(-1)
     w, s = bound[:, 0::2], bound[:, 1::2]
     rank_w, rank_s = [], []
-    for a, delta in zip(cache.a, cache.delta):
+    for a, delta in zip(cache.a, cache.step):  # the step each layer takes: ρ δ for a hidden layer
         gram = torch.bmm(a, a.transpose(1, 2)) * torch.bmm(delta, delta.transpose(1, 2))
         rank_w.append(_quad(gram, u_w))
         rank_s.append(_quad(gram, u_m))
@@ -473,9 +486,9 @@ def _run_chunks(cfg: ScanConfig, keep: bool, start: State, chunks: range, q, k, 
     native = _native(q)
     if native is not None:
         record = native.run_chunks(cfg.chunk_size, cfg.activation, cfg.residual, cfg.max_grad_norm,
-                                   cfg.max_state_norm, cfg.normalize_chunk, cfg.record, keep, start, chunks.start,
-                                   chunks.stop, q, k, v, theta, [list(b) for b in blocks], y, slots, last or [],
-                                   scales, replay)
+                                   cfg.max_state_norm, cfg.normalize_chunk, cfg.hidden_step, cfg.record, keep, start,
+                                   chunks.start, chunks.stop, q, k, v, theta, [list(b) for b in blocks], y, slots,
+                                   last or [], scales, replay)
         return record if keep else None
     starts, caches, cur = [], [], start
     bound = _state_norms(start) if scales is not None and not replay else None

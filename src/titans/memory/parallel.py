@@ -164,7 +164,7 @@ def _fused_memory(q, k, v, theta, eta, alpha, weights, momentum, chunk_size, act
     state = [t.reshape(batch * heads, *t.shape[2:]).contiguous() for pair in zip(weights, momentum) for t in pair]
     record = torch.is_grad_enabled() and any(t.requires_grad for t in inputs + state)
     cfg = ScanConfig(chunk_size, activation, residual, rule.max_grad_norm, rule.max_state_norm, rule.normalize_chunk,
-                     checkpoint_chunks, record)
+                     rule.hidden_step, checkpoint_chunks, record)
     y, *final = MemoryScan.apply(cfg, *inputs, *state)
     final = [t.view(batch, heads, *t.shape[1:]) for t in final]
     return y.view(batch, heads, *y.shape[1:]), tuple(final[0::2]), tuple(final[1::2])
@@ -218,8 +218,7 @@ def parallel_memory(
             the paper; without it a chunk of similar keys overshoots its own targets (DESIGN.md §1).
         hidden_step: ρ, the step of every layer but the last as a fraction of θ_t (1: the paper's rule, every layer
             at θ_t; 0: the hidden layers keep their weights at test time and only the last layer learns). The bounds
-            above see the whole gradient; ρ then scales the hidden layers' part of the step. Not in the paper. The
-            fused implementation serves ρ = 1; other values take the autograd one.
+            above see the whole gradient; ρ then scales the hidden layers' part of the step. Not in the paper.
         checkpoint_chunks: when autograd is recording, recompute groups of this many chunks in the backward
             pass so memory holds one state per group instead of per chunk. None: no recomputation.
         implementation: "fused" (default; `fused.py`: hand-written backward, reused buffers) or "autograd"
@@ -242,8 +241,7 @@ def parallel_memory(
     if isinstance(theta, Tensor):
         theta = theta.to(state_dtype)
     eta, alpha = eta.to(state_dtype), alpha.to(state_dtype)
-    if implementation == "fused" and isinstance(theta, Tensor) and k.shape[2] > 0 and (
-            rule.hidden_step == 1.0 or len(weights) == 1):
+    if implementation == "fused" and isinstance(theta, Tensor) and k.shape[2] > 0:
         y, W, S = _fused_memory(q, k, v, theta, eta, alpha, weights, momentum, chunk_size, activation, residual,
                                 checkpoint_chunks, rule)
         return y.to(out_dtype), W, S

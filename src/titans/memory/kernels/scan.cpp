@@ -35,7 +35,10 @@ struct Config {
   std::optional<double> max_grad_norm;
   std::optional<double> max_state_norm;
   bool normalize_chunk;  // the normalised chunk step (fused.ScanConfig.normalize_chunk)
+  double hidden_step;  // ρ, the step of every layer but the last as a fraction of θ (fused.ScanConfig.hidden_step)
   bool record;  // the backward pass follows: keep σ'(p_i) (fused.ScanConfig.record)
+
+  double layer_step(size_t i, size_t depth) const { return i + 1 < depth ? hidden_step : 1.0; }
 };
 
 // fused.ChunkDecays of one chunk.
@@ -138,7 +141,7 @@ Tensor sigma_grad2(const Config& cfg, const Tensor& z) {
 
 // fused.ChunkCache
 struct Cache {
-  std::vector<Tensor> a, p, m, delta, dsigma, h, hW, hS, r, h_a, C_h_a;
+  std::vector<Tensor> a, p, m, delta, step, dsigma, h, hW, hS, r, h_a, C_h_a;  // step: ρ_i δ_i
   Tensor theta, scale, sq_norm, norm, C, u_m;  // norm: undefined without the normalised chunk step
 };
 
@@ -190,6 +193,11 @@ Cache chunk_forward(const Config& cfg, const State& state, const Tensor& q, cons
   }
   const auto beta = dec.beta.unsqueeze(-1), c = dec.c.unsqueeze(-1);
   const auto u_w = cc.C.select(1, -1).unsqueeze(-1), u_m = cc.u_m.unsqueeze(-1);
+  // The hidden layers step ρ θ: their a_sᵀ δ_s terms scaled after the bounds above saw the whole gradient.
+  for (size_t i = 0; i < depth; ++i) {
+    const double rho = cfg.layer_step(i, depth);
+    cc.step.push_back(rho == 1.0 ? cc.delta[i] : cc.delta[i] * rho);
+  }
   // Queries at W_t, layer by layer, and the state after the chunk (DESIGN.md §2 steps 3–4), one pass over W⁰, S⁰.
   h = q;
   for (size_t i = 0; i < depth; ++i) {
@@ -198,8 +206,8 @@ Cache chunk_forward(const Config& cfg, const State& state, const Tensor& q, cons
     if (new_state) {
       Combine o;
       o.S = S, o.c = dec.c.select(1, -1), o.out2 = (*new_state)[2 * i + 1], o.e = dec.e_last,
-      o.G2 = RowBlocks{u_m * cc.delta[i]}, o.x = h;
-      auto reads = combine_any((*new_state)[2 * i], W, dec.beta.select(1, -1), {cc.a[i]}, {u_w * cc.delta[i]}, -1.0, o);
+      o.G2 = RowBlocks{u_m * cc.step[i]}, o.x = h;
+      auto reads = combine_any((*new_state)[2 * i], W, dec.beta.select(1, -1), {cc.a[i]}, {u_w * cc.step[i]}, -1.0, o);
       cc.hW.push_back(reads.xW), cc.hS.push_back(reads.xS);
     } else {
       cc.hW.push_back(prod_xw(h, W)), cc.hS.push_back(prod_xw(h, S));
@@ -208,7 +216,7 @@ Cache chunk_forward(const Config& cfg, const State& state, const Tensor& q, cons
     r.addcmul_(cc.hS[i], c);
     cc.h_a.push_back(at::bmm(h, cc.a[i].transpose(1, 2)));
     cc.C_h_a.push_back(cc.C * cc.h_a[i]);
-    r.baddbmm_(cc.C_h_a[i], cc.delta[i], 1.0, -1.0);
+    r.baddbmm_(cc.C_h_a[i], cc.step[i], 1.0, -1.0);
     cc.r.push_back(r);
     h = i + 1 < depth ? sigma(cfg, r) : r;
   }
@@ -242,7 +250,8 @@ Grads chunk_backward(const Config& cfg, const State& state, const Cache& cc, con
   for (size_t i = depth; i-- > 0;) {
     const auto &W = state[2 * i], &S = state[2 * i + 1];
     const auto g_w = beta * d_r, g_s = c * d_r;
-    const auto g_u_w = u_w.unsqueeze(-1) * cc.delta[i], g_u_m = u_m.unsqueeze(-1) * cc.delta[i];
+    const auto& step = cc.step[i];
+    const auto g_u_w = u_w.unsqueeze(-1) * step, g_u_m = u_m.unsqueeze(-1) * step;
     Combine o;
     o.S = d_new[2 * i], o.c = dec.c.select(1, -1), o.P = S, o.x = cc.a[i], o.gt = RowBlocks{g_u_m, g_u_w, g_s, g_w},
     o.Q = W;
@@ -252,18 +261,19 @@ Grads chunk_backward(const Config& cfg, const State& state, const Cache& cc, con
     d_e_n += reads.dots.select(1, 0);
     d_c_n += reads.dots.select(1, 1);
     d_delta[i] = -(u_w.unsqueeze(-1) * a_dW + u_m.unsqueeze(-1) * a_dS);
-    d_u_w -= (a_dW * cc.delta[i]).sum(-1);
-    d_u_m -= (a_dS * cc.delta[i]).sum(-1);
+    d_u_w -= (a_dW * step).sum(-1);
+    d_u_m -= (a_dS * step).sum(-1);
     d_a[i] = reads.gWt.neg_();
     d_beta += (d_r * cc.hW[i]).sum(-1);
     d_c += (d_r * cc.hS[i]).sum(-1);
     w_left[i].push_back(cc.h[i]), w_right[i].push_back(g_w);
-    const auto r_d = at::bmm(d_r, cc.delta[i].transpose(1, 2));  // r −= (C ⊙ h aᵀ) δ
+    const auto r_d = at::bmm(d_r, step.transpose(1, 2));  // r −= (C ⊙ h aᵀ) ρ δ
     d_C -= r_d * cc.h_a[i];
     const auto M = C * r_d;
     d_h.baddbmm_(M, cc.a[i], 1.0, -1.0);
     d_a[i].baddbmm_(M.transpose(1, 2), cc.h[i], 1.0, -1.0);
     d_delta[i].baddbmm_(cc.C_h_a[i].transpose(1, 2), d_r, 1.0, -1.0);
+    if (cfg.layer_step(i, depth) != 1.0) d_delta[i].mul_(cfg.layer_step(i, depth));  // of ρ δ_i so far: of δ_i
     if (i > 0)
       d_r = sigma_vjp(cfg, d_h, cc.r[i - 1]);
     else
@@ -336,8 +346,8 @@ Tensor next_norm_bound(const Cache& cc, const Decays& dec, const Tensor& bound) 
   const auto e_n = dec.e_last.unsqueeze(-1);
   const auto w = bound.slice(1, 0, bound.size(1), 2), s = bound.slice(1, 1, bound.size(1), 2);
   std::vector<Tensor> rank_w, rank_s;
-  for (size_t i = 0; i < cc.a.size(); ++i) {
-    const auto gram = at::bmm(cc.a[i], cc.a[i].transpose(1, 2)) * at::bmm(cc.delta[i], cc.delta[i].transpose(1, 2));
+  for (size_t i = 0; i < cc.a.size(); ++i) {  // the step each layer takes: ρ δ for a hidden layer
+    const auto gram = at::bmm(cc.a[i], cc.a[i].transpose(1, 2)) * at::bmm(cc.step[i], cc.step[i].transpose(1, 2));
     rank_w.push_back(quad(gram, u_w)), rank_s.push_back(quad(gram, u_m));
   }
   const auto new_w = beta_n * w + c_n * s + at::stack(rank_w, 1).clamp_min(0).sqrt();
@@ -396,6 +406,7 @@ struct ChunkRecord {
 // What the backward pass needs of a run of chunks: per slice of rows, each chunk's starting state and cache.
 struct Record {
   int64_t first_chunk = 0;
+  double hidden_step = 1.0;  // the run's ρ, for the backward pass
   std::vector<int64_t> slice_starts;  // slice s holds rows [slice_starts[s], slice_starts[s + 1])
   std::vector<std::vector<ChunkRecord>> slices;
 };
@@ -424,11 +435,11 @@ void for_slices(const std::vector<int64_t>& starts, const Body& body) {
 
 Config make_config(int64_t chunk_size, const std::string& activation, bool residual,
                    c10::optional<double> max_grad_norm, c10::optional<double> max_state_norm, bool normalize_chunk,
-                   bool record) {
+                   double hidden_step, bool record) {
   TORCH_CHECK(activation == "gelu" || activation == "silu", "scan: unknown activation ", activation);
   return {chunk_size, activation == "gelu", residual,
           max_grad_norm ? std::optional<double>(*max_grad_norm) : std::nullopt,
-          max_state_norm ? std::optional<double>(*max_state_norm) : std::nullopt, normalize_chunk, record};
+          max_state_norm ? std::optional<double>(*max_state_norm) : std::nullopt, normalize_chunk, hidden_step, record};
 }
 
 // fused._run_chunks: chunks [j0, j1) from `start`; chunk idx ends in slots[idx % len(slots)], the last one in
@@ -436,14 +447,16 @@ Config make_config(int64_t chunk_size, const std::string& activation, bool resid
 // `keep`, returns every chunk's starting state and cache.
 std::shared_ptr<Record> run_chunks(int64_t chunk_size, const std::string& activation, bool residual,
                                    c10::optional<double> max_grad_norm, c10::optional<double> max_state_norm,
-                                   bool normalize_chunk, bool record, bool keep, const State& start, int64_t j0, int64_t j1, const Tensor& q,
+                                   bool normalize_chunk, double hidden_step, bool record, bool keep, const State& start,
+                                   int64_t j0, int64_t j1, const Tensor& q,
                                    const Tensor& k, const Tensor& v, const Tensor& theta, const Blocks& blocks,
                                    const Tensor& y, const std::vector<State>& slots, const State& last,
                                    const c10::optional<Tensor>& scales, bool replay) {
   const Config cfg =
-      make_config(chunk_size, activation, residual, max_grad_norm, max_state_norm, normalize_chunk, record);
+      make_config(chunk_size, activation, residual, max_grad_norm, max_state_norm, normalize_chunk, hidden_step, record);
   auto rec = std::make_shared<Record>();
   rec->first_chunk = j0;
+  rec->hidden_step = hidden_step;
   rec->slice_starts = slice_starts(q.size(0));
   rec->slices.resize(rec->slice_starts.size() - 1);
   const int64_t seq = q.size(1);
@@ -487,8 +500,9 @@ void backward_chunks(int64_t chunk_size, const std::string& activation, bool res
                      const Blocks& blocks, const Blocks& d_blocks, const Tensor& dy, const State& d_end,
                      const std::vector<State>& targets, const Tensor& d_q, const Tensor& d_k, const Tensor& d_v,
                      const Tensor& d_theta, const c10::optional<Tensor>& scales) {
-  // The backward pass reads the normalised step's factors from the caches, not from the config.
-  const Config cfg = make_config(chunk_size, activation, residual, max_grad_norm, c10::nullopt, false, true);
+  // The backward pass reads the normalised step's factors from the caches, not from the config, and ρ from the record.
+  const Config cfg =
+      make_config(chunk_size, activation, residual, max_grad_norm, c10::nullopt, false, rec.hidden_step, true);
   const int64_t count = rec.slices.empty() ? 0 : static_cast<int64_t>(rec.slices[0].size());
   TORCH_CHECK(static_cast<int64_t>(targets.size()) == count, "scan: one target state per recorded chunk");
   const int64_t seq = dy.size(1);
