@@ -21,8 +21,8 @@ def _group() -> None:
 def describe_machine(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
     """The CPU the numbers were measured on, e.g. "AMD EPYC (cpu family 26, model 2, AVX-512), 2 CPUs".
 
-    The same code runs at half the speed on another VM of the same size (DESIGN.md §2, seventh stop), so every
-    table says which machine made it."""
+    The same code runs at half the speed on another VM of the same size (docs/PERFORMANCE.md, the seventh stop), so
+    every table says which machine made it."""
     from ..memory.state_ops import cpu_info
 
     fields = cpu_info(cpuinfo)

@@ -1,7 +1,7 @@
 """What bounds the memory's chunk matmuls: an n-row product against a state matrix, from cache and from DRAM.
 
 The fused memory path spends most of a training step in products of a chunk's n rows (n = chunk size) with
-state matrices `[batch, d_in, d_out]` (README, "Speed and memory"). This measures one such product `x W` in both
+state matrices `[batch, d_in, d_out]` (docs/PERFORMANCE.md). This measures one such product `x W` in both
 orientations of the state, once with a single matrix reused (it stays in cache) and once cycling through
 enough distinct matrices that each comes from DRAM, beside the rate at which the machine streams memory; each
 with ATen's `bmm` (MKL) and, where they are built, with our kernel (`state_ops.xw`, what the fused scan uses).

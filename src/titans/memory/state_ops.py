@@ -8,8 +8,8 @@ gradients) is one of
     combine(out, W, β, A, G, α)   β W + c S + α Aᵀ G              (the state update, ∂W⁰, ∂S⁰)
 
 with n = 16 rows (a chunk). A training step's states do not fit in cache, so each product streams its matrix
-from DRAM, and MKL's small-row kernels wait on memory latency there: 45–69 GFLOP/s against 100–138 from cache
-on the benchmark machine (README, "Speed and memory"). `kernels/state_ops.cpp` walks W in the order it uses
+from DRAM, and MKL's small-row kernels wait on memory latency there (`titans bench matmul` measures both on
+this machine; the history of these kernels is docs/PERFORMANCE.md). `kernels/state_ops.cpp` walks W in the order it uses
 it and prefetches the next strip into L2 while computing the current one, and `combine` does the state
 update in one pass over W and S instead of four. That pass also returns the other products of the same
 inputs that a chunk needs at that point (`Reads`: the queries' h W⁰ and h S⁰ in the forward pass; a ∂W',

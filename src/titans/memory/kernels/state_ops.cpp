@@ -4,9 +4,9 @@
 // A chunk touches each state matrix W [K, N] (1 MiB at the benchmark's shape) only through products with
 // n = 16 rows: X W, G Wᵀ and rank-n updates W' = βW + cS + α Aᵀ G. The states of a training step do not fit in
 // cache, so each product streams its matrix from DRAM; MKL's small-M kernels then wait on memory latency
-// (45–69 GFLOP/s here against 100–138 from cache). These kernels read the matrix in the order they use it,
-// prefetch what comes next into L2 by hand (software prefetch), keep every partial sum in registers, and write
-// the state update in one pass; `x W` then runs at 120–165 GFLOP/s from DRAM. The update's pass also forms the
+// (`titans bench matmul` measures it). These kernels read the matrix in the order they use it, prefetch what
+// comes next into L2 by hand (software prefetch), keep every partial sum in registers, and write the state
+// update in one pass (measurements: docs/PERFORMANCE.md). The update's pass also forms the
 // other products a chunk needs of the same inputs at that point (`Pass`), so that they cost no further read of the
 // state. Plain ATen references beside them in state_ops.py; tests/memory/test_state_ops.py compares the two.
 #include "state_ops.h"
