@@ -234,3 +234,48 @@ def test_the_first_build_says_so_in_one_line(monkeypatch, capsys, tmp_path, buil
     assert state_ops._build().startswith("module titans_state_ops_")
     err = capsys.readouterr().err
     assert (err == "") if built else (err.count("\n") == 1 and "building the CPU kernels (first use" in err), err
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_the_three_named_passes_compute_what_they_say(dtype):
+    """update_state, momentum_grad and weight_grad (the scan's three uses of `combine`) against their formulas in
+    float64: on the ATen reference for float64, on the kernels for float32 where they are built."""
+    torch.manual_seed(0)
+    B, n, K, N = 2, 16, 32, 64
+
+    def r(*shape):
+        return torch.randn(*shape, dtype=dtype)
+
+    def f64(t):
+        return t.double()
+
+    def batch(x):
+        return f64(x).view(-1, 1, 1)
+
+    tol = 1e-12 if dtype is torch.float64 else 1e-5
+    W, S, a, h = r(B, K, N), r(B, K, N), r(B, n, K), r(B, n, K)
+    beta, c, e = torch.rand(B, dtype=dtype), torch.rand(B, dtype=dtype), torch.rand(B, dtype=dtype)
+    steps = state_ops.Pair(r(B, n, N), r(B, n, N))
+    new = state_ops.Pair(torch.full_like(W, float("nan")), torch.full_like(S, float("nan")))
+    reads = state_ops.update_state(new, state_ops.Pair(W, S), (beta, c, e), a, steps, h)
+    at = f64(a).transpose(1, 2)
+    assert rel_err(new.W, batch(beta) * f64(W) + batch(c) * f64(S) - at @ f64(steps.W)) < tol
+    assert rel_err(new.S, batch(e) * f64(S) - at @ f64(steps.S)) < tol
+    assert rel_err(reads.W, f64(h) @ f64(W)) < tol and rel_err(reads.S, f64(h) @ f64(S)) < tol
+
+    dW, dS, out = r(B, K, N), r(B, K, N), torch.full_like(W, float("nan"))
+    update, query = state_ops.Pair(r(B, n, N), r(B, n, N)), state_ops.Pair(r(B, n, N), r(B, n, N))
+    grad = state_ops.momentum_grad(out, state_ops.Pair(dW, dS), state_ops.Pair(W, S), (c, e), h, a, (update, query))
+    assert rel_err(out, batch(e) * f64(dS) + batch(c) * f64(dW) + f64(h).transpose(1, 2) @ f64(query.S)) < tol
+    assert rel_err(grad.d_e, (f64(S) * f64(dS)).sum((1, 2))) < tol
+    assert rel_err(grad.d_c, (f64(S) * f64(dW)).sum((1, 2))) < tol
+    assert rel_err(grad.a_dS, f64(a) @ f64(dS)) < tol and rel_err(grad.a_dW, f64(a) @ f64(dW)) < tol
+    T = (1, 2)
+    assert rel_err(grad.a_grad, f64(update.S) @ f64(dS).transpose(*T) + f64(update.W) @ f64(dW).transpose(*T)) < tol
+    assert rel_err(grad.h_grad, f64(query.W) @ f64(W).transpose(*T) + f64(query.S) @ f64(S).transpose(*T)) < tol
+
+    left, right = [r(B, n, K), r(B, 8, K)], [r(B, n, N), r(B, 8, N)]
+    out = torch.full_like(W, float("nan"))
+    d_beta = state_ops.weight_grad(out, dW, beta, left, right, W)
+    exact = batch(beta) * f64(dW) + sum(f64(x).transpose(1, 2) @ f64(y) for x, y in zip(left, right))
+    assert rel_err(out, exact) < tol and rel_err(d_beta, (f64(W) * f64(dW)).sum((1, 2))) < tol

@@ -47,7 +47,7 @@ from .mlp import (
     state_norm_scale,
     token_grad_sq_norm,
 )
-from .state_ops import combine, kernels, xw, xwt
+from .state_ops import Pair, kernels, momentum_grad, update_state, weight_grad, xw, xwt
 
 State = list[Tensor]  # [W_1, S_1, W_2, S_2, …], each [BH, d_in, d_out]
 
@@ -203,7 +203,7 @@ def _chunk_forward(
 
     # Queries at W_t = β_t W⁰ + c_t S⁰ − Σ_s C[t,s] a_sᵀ δ_s, layer by layer (DESIGN.md §2 step 3), and the state after
     # the chunk, its last row (step 4): W ← β_n W⁰ + c_n S⁰ − aᵀ diag(C[n,:]) δ,  S ← e_n S⁰ − aᵀ diag(u_m) δ.
-    # Both read W⁰ and S⁰: one pass over them (`combine` returns h W⁰, h S⁰ beside the update).
+    # Both read W⁰ and S⁰: one pass over them (`update_state` returns h W⁰, h S⁰ beside the update).
     u_w = C[:, -1, :].unsqueeze(-1)
     u_m_col = u_m.unsqueeze(-1)
     h_list, hW, hS, r_list, h_a, C_h_a = [], [], [], [], [], []
@@ -211,10 +211,11 @@ def _chunk_forward(
     for i in range(depth):
         h_list.append(h)
         if new_state is not None:
-            reads = combine(new_state[2 * i], W[i], dec.beta[:, -1], a[i], u_w * step[i], -1.0, S=S[i],
-                            c=dec.c[:, -1], out2=new_state[2 * i + 1], e=dec.e_last, G2=u_m_col * step[i], x=h)
-            hW.append(reads.xW)
-            hS.append(reads.xS)
+            reads = update_state(Pair(new_state[2 * i], new_state[2 * i + 1]), Pair(W[i], S[i]),
+                                 (dec.beta[:, -1], dec.c[:, -1], dec.e_last), a[i],
+                                 Pair(u_w * step[i], u_m_col * step[i]), h)
+            hW.append(reads.W)
+            hS.append(reads.S)
         else:
             hW.append(xw(h, W[i]))
             hS.append(xw(h, S[i]))
@@ -267,7 +268,7 @@ def _chunk_backward(
     depth = len(W)
     u_w = C[:, -1, :]
 
-    # 1–2. State update and queries, last layer first. Per layer, one pass over ∂W', ∂S', W, S (`combine`) gives
+    # 1–2. State update and queries, last layer first. Per layer, one pass over ∂W', ∂S', W, S (`momentum_grad`) gives
     # every product of this part with them:
     #   update:   ∂δ_i = −(u_w ⊙ a ∂W' + u_m ⊙ a ∂S'),  ∂a_i = −((u_w ⊙ δ) ∂W'ᵀ + (u_m ⊙ δ) ∂S'ᵀ),
     #             ∂S⁰ = e_n ∂S' + c_n ∂W' + hᵀ (c ⊙ ∂r), with ∂c_n = Σ⟨S, ∂W'⟩ and ∂e_n = Σ⟨S, ∂S'⟩;
@@ -295,15 +296,15 @@ def _chunk_backward(
         g_w, g_s = beta * d_r, c * d_r
         step_i = cache.step[i]
         g_u_w, g_u_m = u_w.unsqueeze(-1) * step_i, u_m.unsqueeze(-1) * step_i
-        reads = combine(dS[i], dS_new[i], dec.e_last, h[i], g_s, 1.0, S=dW_new[i], c=dec.c[:, -1], dots_with=S[i],
-                        x=a[i], gt=(g_u_m, g_u_w, g_s, g_w), Q=W[i])
-        a_dS, a_dW, d_h = reads.xW, reads.xS, reads.gPt
-        d_e_n += reads.dots[:, 0]
-        d_c_n += reads.dots[:, 1]
+        reads = momentum_grad(dS[i], Pair(dW_new[i], dS_new[i]), Pair(W[i], S[i]), (dec.c[:, -1], dec.e_last), h[i],
+                              a[i], (Pair(g_u_w, g_u_m), Pair(g_w, g_s)))
+        a_dS, a_dW, d_h = reads.a_dS, reads.a_dW, reads.h_grad
+        d_e_n += reads.d_e
+        d_c_n += reads.d_c
         d_delta[i] = -(u_w.unsqueeze(-1) * a_dW + u_m.unsqueeze(-1) * a_dS)
         d_u_w -= (a_dW * step_i).sum(-1)
         d_u_m -= (a_dS * step_i).sum(-1)
-        d_a[i] = reads.gWt.neg_()
+        d_a[i] = reads.a_grad.neg_()
         d_beta += (d_r * hW[i]).sum(-1)
         d_c += (d_r * hS[i]).sum(-1)
         w_left[i].append(h[i])
@@ -359,8 +360,7 @@ def _chunk_backward(
     for i in range(depth - 1, -1, -1):
         w_left[i].append(a[i])
         w_right[i].append(d_p[i])
-        reads = combine(dW[i], dW_new[i], dec.beta[:, -1], w_left[i], w_right[i], 1.0, dots_with=W[i])
-        d_beta[:, -1] += reads.dots[:, 0]
+        d_beta[:, -1] += weight_grad(dW[i], dW_new[i], dec.beta[:, -1], w_left[i], w_right[i], W[i])
         xwt(d_p[i], W[i], out=d_a[i], accumulate=True)
         if i > 0:
             d_p[i - 1].addcmul_(d_a[i], cache.dsigma[i - 1])

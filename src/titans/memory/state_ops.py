@@ -228,6 +228,59 @@ def xwt(g: Tensor, W: Tensor, out: Optional[Tensor] = None, accumulate: bool = F
     return out
 
 
+# --- the three uses of `combine` in the fused scan, by name -----------------------------------------------------
+# `combine` is one kernel with optional parts; each pass of the scan asks for a different set of them. These name
+# the passes (fused.py and kernels/scan.cpp call these, not `combine`).
+
+
+class Pair(NamedTuple):
+    """A layer's two state matrices, or their gradients: the weights W and the momentum S, `[batch, K, N]` each."""
+
+    W: Tensor
+    S: Tensor
+
+
+def update_state(new: Pair, state: Pair, decay: tuple[Tensor, Tensor, Tensor], a: Tensor, steps: Pair,
+                 h: Tensor) -> Pair:
+    """The forward pass's update of one layer over a chunk (DESIGN.md §2 step 4), into `new`:
+    W' = β_n W + c_n S − aᵀ G_W and S' = e_n S − aᵀ G_S, with decay = (β_n, c_n, e_n) and steps = (G_W, G_S) the
+    per-token coefficient rows (u_w ⊙ δ, u_m ⊙ δ). From the same pass over W and S it returns the queries' reads
+    (h W, h S) of step 3, taken before the writes."""
+    beta_n, c_n, e_n = decay
+    reads = combine(new.W, state.W, beta_n, a, steps.W, -1.0, S=state.S, c=c_n, out2=new.S, e=e_n, G2=steps.S, x=h)
+    return Pair(reads.xW, reads.xS)
+
+
+class MomentumGrad(NamedTuple):
+    """What `momentum_grad` reads beside ∂S⁰."""
+
+    d_e: Tensor  # ⟨S, ∂S'⟩ [batch]: ∂e_n
+    d_c: Tensor  # ⟨S, ∂W'⟩: ∂c_n
+    a_dS: Tensor  # a ∂S' [batch, n, N]
+    a_dW: Tensor  # a ∂W'
+    a_grad: Tensor  # G_S ∂S'ᵀ + G_W ∂W'ᵀ [batch, n, K]: −∂a from the update
+    h_grad: Tensor  # g_W Wᵀ + g_S Sᵀ: ∂h from the queries
+
+
+def momentum_grad(out: Tensor, d_new: Pair, state: Pair, decay: tuple[Tensor, Tensor], h: Tensor, a: Tensor,
+                  rows: tuple[Pair, Pair]) -> MomentumGrad:
+    """The backward pass's one pass per layer over ∂W', ∂S', W and S (DESIGN.md §2, fused.py step 1–2), writing
+    ∂S⁰ = e_n ∂S' + c_n ∂W' + hᵀ g_S into `out`, with decay = (c_n, e_n) and rows = (the update's coefficient
+    rows (G_W, G_S), the queries' gradient rows (g_W, g_S) = (β ⊙ ∂r, c ⊙ ∂r)), and returning every other
+    product of those four matrices that the chunk's backward pass needs."""
+    c_n, e_n = decay
+    update, query = rows
+    reads = combine(out, d_new.S, e_n, h, query.S, 1.0, S=d_new.W, c=c_n, dots_with=state.S, x=a,
+                    gt=(update.S, update.W, query.S, query.W), Q=state.W)
+    return MomentumGrad(reads.dots[:, 0], reads.dots[:, 1], reads.xW, reads.xS, reads.gWt, reads.gPt)
+
+
+def weight_grad(out: Tensor, d_new_W: Tensor, beta_n: Tensor, left: Rows, right: Rows, W: Tensor) -> Tensor:
+    """The backward pass's ∂W⁰ = β_n ∂W' + Σ_j L_jᵀ R_j into `out` (its rank-n terms, as blocks of rows read in
+    place), returning ∂β_n = ⟨W, ∂W'⟩ from the same pass."""
+    return combine(out, d_new_W, beta_n, left, right, 1.0, dots_with=W).dots[:, 0]
+
+
 def combine(out: Tensor, W: Tensor, beta: Tensor, A: Rows, G: Rows, alpha: float,
             S: Optional[Tensor] = None, c: Optional[Tensor] = None, dots_with: Optional[Tensor] = None,
             out2: Optional[Tensor] = None, e: Optional[Tensor] = None, G2: Optional[Rows] = None,

@@ -123,6 +123,45 @@ Reads combine_any(Tensor out, const Tensor& W, const Tensor& beta, const RowBloc
   return r;
 }
 
+// The three passes of the scan that use combine, named as in state_ops.py (update_state, momentum_grad,
+// weight_grad; their docstrings say what each computes).
+struct Pair {
+  Tensor W, S;
+};
+
+// W' = β_n W + c_n S − aᵀ G_W, S' = e_n S − aᵀ G_S into `next`; returns (h W, h S) read before the writes.
+Pair update_state(const Pair& next, const Pair& state, const Tensor& beta_n, const Tensor& c_n, const Tensor& e_n,
+                  const Tensor& a, const Pair& steps, const Tensor& h) {
+  Combine o;
+  o.S = state.S, o.c = c_n, o.out2 = next.S, o.e = e_n, o.G2 = RowBlocks{steps.S}, o.x = h;
+  const auto r = combine_any(next.W, state.W, beta_n, {a}, {steps.W}, -1.0, o);
+  return {r.xW, r.xS};
+}
+
+struct MomentumGrad {
+  Tensor d_e, d_c, a_dS, a_dW, a_grad, h_grad;  // as state_ops.MomentumGrad
+};
+
+// ∂S⁰ = e_n ∂S' + c_n ∂W' + hᵀ g_S into `out`, and the other products of ∂W', ∂S', W and S of the same pass;
+// update: the update's coefficient rows (G_W, G_S), query: the queries' gradient rows (g_W, g_S).
+MomentumGrad momentum_grad(const Tensor& out, const Pair& d_next, const Pair& state, const Tensor& c_n,
+                           const Tensor& e_n, const Tensor& h, const Tensor& a, const Pair& update,
+                           const Pair& query) {
+  Combine o;
+  o.S = d_next.W, o.c = c_n, o.P = state.S, o.x = a, o.gt = RowBlocks{update.S, update.W, query.S, query.W},
+  o.Q = state.W;
+  const auto r = combine_any(out, d_next.S, e_n, {h}, {query.S}, 1.0, o);
+  return {r.dots.select(1, 0), r.dots.select(1, 1), r.xW, r.xS, r.gWt, r.gPt};
+}
+
+// ∂W⁰ = β_n ∂W' + Σ_j L_jᵀ R_j into `out`; returns ∂β_n = ⟨W, ∂W'⟩.
+Tensor weight_grad(const Tensor& out, const Tensor& d_next_W, const Tensor& beta_n, const RowBlocks& left,
+                   const RowBlocks& right, const Tensor& W) {
+  Combine o;
+  o.P = W;
+  return combine_any(out, d_next_W, beta_n, left, right, 1.0, o).dots.select(1, 0);
+}
+
 // --- the memory network's activation (mlp.ACTIVATIONS, mlp.ACTIVATION_VJPS) --------------------------------
 
 Tensor sigma(const Config& cfg, const Tensor& z) { return cfg.gelu ? at::gelu(z) : at::silu(z); }
@@ -204,11 +243,10 @@ Cache chunk_forward(const Config& cfg, const State& state, const Tensor& q, cons
     const auto &W = state[2 * i], &S = state[2 * i + 1];
     cc.h.push_back(h);
     if (new_state) {
-      Combine o;
-      o.S = S, o.c = dec.c.select(1, -1), o.out2 = (*new_state)[2 * i + 1], o.e = dec.e_last,
-      o.G2 = RowBlocks{u_m * cc.step[i]}, o.x = h;
-      auto reads = combine_any((*new_state)[2 * i], W, dec.beta.select(1, -1), {cc.a[i]}, {u_w * cc.step[i]}, -1.0, o);
-      cc.hW.push_back(reads.xW), cc.hS.push_back(reads.xS);
+      const Pair steps{u_w * cc.step[i], u_m * cc.step[i]};
+      const auto reads = update_state({(*new_state)[2 * i], (*new_state)[2 * i + 1]}, {W, S}, dec.beta.select(1, -1),
+                                      dec.c.select(1, -1), dec.e_last, cc.a[i], steps, h);
+      cc.hW.push_back(reads.W), cc.hS.push_back(reads.S);
     } else {
       cc.hW.push_back(prod_xw(h, W)), cc.hS.push_back(prod_xw(h, S));
     }
@@ -252,18 +290,16 @@ Grads chunk_backward(const Config& cfg, const State& state, const Cache& cc, con
     const auto g_w = beta * d_r, g_s = c * d_r;
     const auto& step = cc.step[i];
     const auto g_u_w = u_w.unsqueeze(-1) * step, g_u_m = u_m.unsqueeze(-1) * step;
-    Combine o;
-    o.S = d_new[2 * i], o.c = dec.c.select(1, -1), o.P = S, o.x = cc.a[i], o.gt = RowBlocks{g_u_m, g_u_w, g_s, g_w},
-    o.Q = W;
-    auto reads = combine_any(d_state[2 * i + 1], d_new[2 * i + 1], dec.e_last, {cc.h[i]}, {g_s}, 1.0, o);
-    const auto &a_dS = reads.xW, &a_dW = reads.xS;
-    auto d_h = reads.gPt;
-    d_e_n += reads.dots.select(1, 0);
-    d_c_n += reads.dots.select(1, 1);
+    const auto reads = momentum_grad(d_state[2 * i + 1], {d_new[2 * i], d_new[2 * i + 1]}, {W, S}, dec.c.select(1, -1),
+                                     dec.e_last, cc.h[i], cc.a[i], {g_u_w, g_u_m}, {g_w, g_s});
+    const auto &a_dS = reads.a_dS, &a_dW = reads.a_dW;
+    auto d_h = reads.h_grad;
+    d_e_n += reads.d_e;
+    d_c_n += reads.d_c;
     d_delta[i] = -(u_w.unsqueeze(-1) * a_dW + u_m.unsqueeze(-1) * a_dS);
     d_u_w -= (a_dW * step).sum(-1);
     d_u_m -= (a_dS * step).sum(-1);
-    d_a[i] = reads.gWt.neg_();
+    d_a[i] = reads.a_grad.neg_();
     d_beta += (d_r * cc.hW[i]).sum(-1);
     d_c += (d_r * cc.hS[i]).sum(-1);
     w_left[i].push_back(cc.h[i]), w_right[i].push_back(g_w);
@@ -314,10 +350,8 @@ Grads chunk_backward(const Config& cfg, const State& state, const Cache& cc, con
   for (size_t i = depth; i-- > 0;) {
     const auto& W = state[2 * i];
     w_left[i].push_back(cc.a[i]), w_right[i].push_back(d_p[i]);
-    Combine o;
-    o.P = W;
-    auto reads = combine_any(d_state[2 * i], d_new[2 * i], dec.beta.select(1, -1), w_left[i], w_right[i], 1.0, o);
-    d_beta.select(1, -1).add_(reads.dots.select(1, 0));
+    const auto beta_n = dec.beta.select(1, -1);
+    d_beta.select(1, -1).add_(weight_grad(d_state[2 * i], d_new[2 * i], beta_n, w_left[i], w_right[i], W));
     prod_xwt(d_p[i], W, d_a[i], true);
     if (i > 0)
       d_p[i - 1].addcmul_(d_a[i], cc.dsigma[i - 1]);
@@ -453,7 +487,8 @@ std::shared_ptr<Record> run_chunks(int64_t chunk_size, const std::string& activa
                                    const Tensor& y, const std::vector<State>& slots, const State& last,
                                    const c10::optional<Tensor>& scales, bool replay) {
   const Config cfg =
-      make_config(chunk_size, activation, residual, max_grad_norm, max_state_norm, normalize_chunk, hidden_step, record);
+      make_config(chunk_size, activation, residual, max_grad_norm, max_state_norm, normalize_chunk, hidden_step,
+                  record);
   auto rec = std::make_shared<Record>();
   rec->first_chunk = j0;
   rec->hidden_step = hidden_step;
