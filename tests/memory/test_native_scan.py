@@ -122,6 +122,14 @@ def test_native_loop_without_recording(threads, mode):
         assert (a - b).abs().max().item() <= 1e-12
 
 
-def test_min_rows_agree():
-    """The C++ loop takes the kernels under the same row threshold as `state_ops.kernels_for`."""
-    assert state_ops.kernels().MIN_ROWS == state_ops.MIN_ROWS
+def test_one_rule_decides_which_products_the_kernels_serve():
+    """`state_ops.kernels_for` asks the compiled module's `kernel_serves`, the rule the C++ loop uses."""
+    module = state_ops.kernels()
+    W, rows = torch.randn(2, 32, 64), torch.randn(2, module.MIN_ROWS, 32)
+    served = module.STATE_KERNELS
+    assert module.kernel_serves(W, module.MIN_ROWS) == served
+    assert (state_ops.kernels_for(W, rows) is not None) == served
+    for W_, n in [(W, module.MIN_ROWS - 1), (W.double(), 16), (torch.randn(2, 32, 24), 16),
+                  (torch.randn(2, 64, 32).transpose(1, 2), 16), (torch.randn(32, 64), 16)]:
+        assert not module.kernel_serves(W_, n)
+        assert state_ops.kernels_for(W_, torch.randn(2, n, 32)) is None

@@ -143,19 +143,29 @@ def test_kernels_honour_views_of_the_small_operands():
 
 
 class _Refuse:
+    """A module with state kernels that answers the real rule (`kernel_serves`) and fails if a kernel is called."""
+
+    STATE_KERNELS = True
+    MIN_ROWS = 8
+
+    def kernel_serves(self, W, rows):
+        return W.dtype is torch.float32 and W.dim() == 3 and W.is_contiguous() and W.shape[2] % 16 == 0 and rows >= 8
+
     def __getattr__(self, name):
         raise AssertionError(f"kernel {name} called for inputs it does not serve")
 
 
 @pytest.mark.parametrize("case", ["float64", "narrow_N", "few_rows", "strided_W"])
 def test_inputs_the_kernels_do_not_serve_take_the_reference(monkeypatch, case):
+    """Operands the rule refuses never reach a kernel (the rule itself is tested against the compiled one in
+    test_native_scan.py)."""
     monkeypatch.setitem(state_ops._loaded, "module", _Refuse())
     B, n, K, N = 2, 16, 32, 64
     dtype = torch.float64 if case == "float64" else torch.float32
     if case == "narrow_N":
         N = 24
     if case == "few_rows":
-        n = state_ops.MIN_ROWS - 1
+        n = _Refuse.MIN_ROWS - 1
     x, g, A = torch.randn(B, n, K, dtype=dtype), torch.randn(B, n, N, dtype=dtype), torch.randn(B, n, K, dtype=dtype)
     W = torch.randn(B, N, K, dtype=dtype).transpose(1, 2) if case == "strided_W" else torch.randn(B, K, N, dtype=dtype)
     torch.testing.assert_close(state_ops.xw(x, W), x @ W)

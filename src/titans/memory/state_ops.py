@@ -15,13 +15,13 @@ update in one pass over W and S instead of four. That pass also returns the othe
 inputs that a chunk needs at that point (`Reads`: the queries' h W⁰ and h S⁰ in the forward pass; a ∂W',
 a ∂S', ∂a and ∂h in the backward), so each of them costs no further read of the state.
 
-The kernels serve float32 CPU tensors whose W is contiguous with N a multiple of 16 and at least 8 rows in x,
-on x86-64 CPUs with AVX-512; they are compiled on first use (`torch.utils.cpp_extension`, about a minute,
-cached), into one module with the fused scan's chunk loop (`kernels/scan.cpp`), which is built on every x86-64
-Linux machine with a compiler and takes the ATen products where the state kernels are absent. Anything else, a
-machine without a compiler, or `TITANS_KERNELS=0` takes the ATen reference, which is also what float64 (every
-exactness test) runs. `tests/memory/test_state_ops.py` holds each kernel to its
-reference, and the fused scan with kernels to the scan without.
+The kernels serve float32 CPU tensors whose W is contiguous with N a multiple of 16 and enough rows in x (one rule,
+`kernel_serves` in `kernels/scan.cpp`, which this module asks too), on x86-64 CPUs with AVX-512; they are compiled
+on first use (`torch.utils.cpp_extension`, about a minute, cached), into one module with the fused scan's chunk
+loop (`kernels/scan.cpp`), which is built on every x86-64 Linux machine with a compiler and takes the ATen products
+where the state kernels are absent. Anything else, a machine without a compiler, or `TITANS_KERNELS=0` takes the
+ATen reference, which is also what float64 (every exactness test) runs. `tests/memory/test_state_ops.py` holds each
+kernel to its reference, and the fused scan with kernels to the scan without.
 """
 
 from __future__ import annotations
@@ -41,7 +41,6 @@ from torch import Tensor
 
 _KERNELS = Path(__file__).with_name("kernels")
 _SOURCES = [_KERNELS / "state_ops.cpp", _KERNELS / "scan.cpp"]  # and state_ops.h, which both include
-MIN_ROWS = 8  # below this the zero-padded 16-row register blocks waste more than the kernels gain
 Rows = Union[Tensor, Sequence[Tensor]]  # a small operand, or blocks of its rows: [batch, m_j, d] stacked along m
 
 # --- the references ----------------------------------------------------------------------------------
@@ -194,16 +193,17 @@ def _build():
 
 
 def kernels_for(W: Tensor, rows: Tensor, *others: Optional[Tensor]):
-    """The kernels if they serve these operands (W the state, `rows` the small operand), else None: the one place
-    that decides, for the scan and for `titans bench matmul`. Called ~1000 times a training step: cheap checks
-    first."""
-    if (W.dtype is not torch.float32 or not W.is_cpu or W.dim() != 3 or W.shape[-1] % 16 or rows.shape[1] < MIN_ROWS
-            or not W.is_contiguous() or rows.dtype is not torch.float32):
+    """The kernels if they serve these operands (W the state, `rows` the small operand, `others` the rest), else
+    None: for the Python chunk loop and for `titans bench matmul`. Which shapes they serve is decided in one place,
+    the compiled module's `kernel_serves` (the C++ loop asks it too); here only the other operands' dtype and
+    device are added, which the C++ loop's operands share with W by construction."""
+    module = state_kernels()
+    if module is None or not module.kernel_serves(W, rows.shape[1]):
         return None
-    for t in others:
+    for t in (rows, *others):
         if t is not None and (t.dtype is not torch.float32 or not t.is_cpu):
             return None
-    return state_kernels()
+    return module
 
 
 def xw(x: Tensor, W: Tensor, out: Optional[Tensor] = None, accumulate: bool = False) -> Tensor:

@@ -8,8 +8,9 @@
 // one thread each. With fewer rows than threads there is one slice, and the kernels share the threads as before.
 //
 // The Python functions stay the reference: `tests/memory/test_native_scan.py` holds this loop to them in float64
-// (≤ 1e-12, values and gradients) and in float32 with the kernels. float32 products go through the kernels under
-// the same conditions as in Python (`state_ops.kernels_for`); anything else through the ATen products below.
+// (≤ 1e-12, values and gradients) and in float32 with the kernels. Products go through the kernels where
+// `kernel_serves` says so (the one rule, which Python's `state_ops.kernels_for` asks too); anything else through the
+// ATen products below.
 #include "state_ops.h"
 
 #include <ATen/Parallel.h>
@@ -46,10 +47,14 @@ struct Decays {
   Tensor beta, c, D, E_last, e_last;
 };
 
-// --- the products: kernels where state_ops.kernels_for would take them, ATen otherwise ------------------------
+// --- the products: kernels where they serve, ATen otherwise ---------------------------------------------------
 
+// Whether the state kernels serve a product of `rows` rows against the state W [batch, K, N]: the one rule, for
+// this loop and for Python (`state_ops.kernels_for`, which also checks its other operands' dtype and device).
+// float32 on the CPU, W contiguous with N a multiple of 16 (the kernels' vector width), at least kMinRows rows.
 bool kernel_serves(const Tensor& W, int64_t rows) {
-  return kStateKernels && W.scalar_type() == at::kFloat && W.size(2) % 16 == 0 && rows >= kMinRows;
+  return kStateKernels && W.device().is_cpu() && W.scalar_type() == at::kFloat && W.dim() == 3 &&
+         W.is_contiguous() && W.size(2) % 16 == 0 && rows >= kMinRows;
 }
 
 Tensor inner_contiguous(const Tensor& t) { return t.stride(2) == 1 ? t : t.contiguous(); }
@@ -570,5 +575,7 @@ void register_scan(pybind11::module_& m) {
                                                     "Starting states and caches of a run of chunks, per slice of rows");
   m.def("run_chunks", &run_chunks, "fused._run_chunks in C++", release());
   m.def("backward_chunks", &backward_chunks, "fused._backward_chunks in C++", release());
+  m.def("kernel_serves", &kernel_serves, "Whether the state kernels serve a product of `rows` rows against W",
+        pybind11::arg("W"), pybind11::arg("rows"));
   m.attr("MIN_ROWS") = kMinRows;
 }

@@ -17,7 +17,8 @@ constexpr bool kStateKernels = true;
 constexpr bool kStateKernels = false;
 #endif
 
-// Below this many rows the zero-padded 16-row register blocks waste more than the kernels gain (state_ops.MIN_ROWS).
+// Below this many rows the zero-padded 16-row register blocks waste more than the kernels gain (scan.cpp's
+// `kernel_serves`, the one rule for which products the kernels serve).
 constexpr int64_t kMinRows = 8;
 
 void xw(const torch::Tensor& X, const torch::Tensor& W, torch::Tensor out, bool accumulate);
