@@ -453,6 +453,25 @@ BAD_CASES = {
 }
 
 
+@pytest.mark.parametrize("debug", [False, True])
+def test_values_off_the_cpu_are_read_only_in_debug_mode(monkeypatch, debug):
+    """Checking a gate's values reads them back from the device, a host sync on a GPU: off the CPU only the shapes
+    are checked unless TITANS_CHECKS=1. (Meta tensors stand in for a GPU's: reading one back fails.)"""
+    from titans.memory.checks import check_memory_args, checks_values
+
+    monkeypatch.setenv("TITANS_CHECKS", "1" if debug else "0")
+    q, k, v, theta, eta, alpha, weights, momentum = (
+        t.to("meta") if isinstance(t, torch.Tensor) else tuple(x.to("meta") for x in t) for t in make_inputs(seq=7))
+    assert checks_values(k) == debug and checks_values(torch.zeros(1))
+    if debug:
+        with pytest.raises(RuntimeError, match="meta"):
+            check_memory_args(q, k, v, theta, eta, alpha, weights, momentum, 4, "gelu", True)
+    else:
+        check_memory_args(q, k, v, theta, eta, alpha, weights, momentum, 4, "gelu", True)
+    with pytest.raises(ValueError, match="^theta"):  # the shapes are checked on every device
+        check_memory_args(q, k, v, theta[:, :1], eta, alpha, weights, momentum, 4, "gelu", True)
+
+
 @pytest.mark.parametrize("case", sorted(BAD_CASES))
 @pytest.mark.parametrize("fn", [parallel_memory, sequential_memory])
 def test_bad_input_names_the_argument(case, fn):

@@ -7,6 +7,7 @@ reported where it happens instead of as an opaque matmul error deep in the chunk
 from __future__ import annotations
 
 import functools
+import os
 from typing import Callable, Optional, TypeVar, Union
 
 import torch
@@ -32,6 +33,15 @@ def without_autocast(fn: F) -> F:
             return fn(*args, **kwargs)
 
     return wrapper  # type: ignore[return-value]
+
+
+def checks_values(t: Tensor) -> bool:
+    """Whether the memory functions check the values of `t` (finite, in range), not only its shape and dtype.
+
+    Reading a value back from a GPU waits for the device (one host sync per check, several per layer call), so
+    there the value checks run only in debug mode, `TITANS_CHECKS=1`; on the CPU they cost one pass over a
+    [batch, heads, seq] gate and always run. Shapes, dtypes and devices are checked on every device."""
+    return t.device.type == "cpu" or os.environ.get("TITANS_CHECKS") == "1"
 
 
 def _check_finite(name: str, t: Tensor) -> None:
@@ -82,13 +92,15 @@ def check_memory_args(
                              f"got {tuple(g.shape)}")
         if not g.is_floating_point():
             raise ValueError(f"{name} must be a floating-point tensor, got {g.dtype}")
-        _check_finite(name, g)
-    # Ranges: θ ≥ 0 is a learning rate; η and 1 − α are decay factors in [0, 1].
-    if isinstance(theta, Tensor) and (theta < 0).any():
-        raise ValueError("theta (inner learning rate) must be >= 0")
-    for name, g in (("eta", eta), ("alpha", alpha)):
-        if ((g < 0) | (g > 1)).any():
-            raise ValueError(f"{name} must lie in [0, 1]")
+    if checks_values(k):
+        for name, g in gates.items():
+            _check_finite(name, g)
+        # Ranges: θ ≥ 0 is a learning rate; η and 1 − α are decay factors in [0, 1].
+        if isinstance(theta, Tensor) and (theta < 0).any():
+            raise ValueError("theta (inner learning rate) must be >= 0")
+        for name, g in (("eta", eta), ("alpha", alpha)):
+            if ((g < 0) | (g > 1)).any():
+                raise ValueError(f"{name} must lie in [0, 1]")
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be an integer >= 1, got {chunk_size!r}")
     for name, bound in (("max_grad_norm", max_grad_norm), ("max_state_norm", max_state_norm)):
