@@ -184,6 +184,22 @@ def test_report_is_written_from_the_json_alone(quick_results, tmp_path):
     assert "RESULTS.md" in block and block.count("|---|") == len(load_results(copied))  # a headline each
 
 
+def test_runs_the_time_budget_stopped_short_are_named(quick_results, tmp_path):
+    """A run cut by its time budget trained less than the others: the report says which, with its steps."""
+    results_dir, _ = quick_results
+    copied = tmp_path / "results"
+    shutil.copytree(results_dir, copied)
+    path = copied / "babilong.json"
+    data = json.loads(path.read_text())
+    run_id, run = next(iter(data["runs"].items()))
+    assert f"{run_id} (" not in write_report(copied, tmp_path / "RESULTS.md").read_text()
+    run["steps"] = run["config"]["steps"] - 1
+    path.write_text(json.dumps(data))
+    text = write_report(copied, tmp_path / "RESULTS.md").read_text()
+    steps = f"({run['steps']} of {run['config']['steps']})"
+    assert f"Stopped by the time budget before their steps: {run_id} {steps}" in text
+
+
 def test_report_refuses_bad_input_and_changes_nothing(tmp_path):
     with pytest.raises(ValueError, match="no results JSON"):
         write_report(tmp_path, tmp_path / "RESULTS.md")

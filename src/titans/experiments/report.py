@@ -214,11 +214,15 @@ def observations(data: dict[str, Any]) -> list[str]:
 
 
 def run_facts(data: dict[str, Any]) -> str:
-    """Parameters, steps and training time per model, from the runs (train experiments)."""
+    """Parameters, steps and training time per model, from the runs (train experiments), and the runs that the time
+    budget stopped before their steps (those had a smaller budget than the rest: the reader must see which)."""
     by_model: dict[str, list[dict[str, Any]]] = {}
-    for run in data["runs"].values():
+    short = []
+    for run_id, run in data["runs"].items():
         if "num_parameters" in run and "steps" in run:
             by_model.setdefault(run["model"], []).append(run)
+            if run["steps"] < run["config"]["steps"]:
+                short.append(f"{run_id} ({run['steps']} of {run['config']['steps']})")
     if not by_model:
         return ""
     lines = ["| model | parameters | steps (mean) | training seconds (mean) | skipped steps | failed runs |",
@@ -230,6 +234,8 @@ def run_facts(data: dict[str, Any]) -> str:
         lines.append(f"| {model} | {shown} | {sum(r['steps'] for r in runs) / len(runs):.0f} | "
                      f"{sum(r['seconds'] for r in runs) / len(runs):.0f} | "
                      f"{sum(r.get('skipped_steps', 0) for r in runs)} | {failed[model]} |")
+    if short:
+        lines += ["", f"Stopped by the time budget before their steps: {', '.join(short)}."]
     return "\n".join(lines)
 
 
