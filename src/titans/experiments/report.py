@@ -299,7 +299,8 @@ def headline(data: dict[str, Any], results_md: str, plot_path: str) -> str:
     """The README's lines for one experiment: its table at the largest x of each panel (a train experiment over
     lengths: at the training length and the largest), the plot, the link."""
     panels = data["panels"]
-    both_ends = data.get("kind", "train") == "train" and data.get("x_axis", "length") == "length"
+    both_ends = data.get("kind", "train") == "train" and data.get("x_axis", "length") == "length" and \
+        any(len(p["x"]) > 1 for p in panels.values())  # panels of one column each: their one length, said once
     ends = {name: ([0, -1] if both_ends and len(p["x"]) > 1 else [-1]) for name, p in panels.items()}
     columns = [(name, p, end) for name, p in panels.items() for end in ends[name]]
     chosen = {"settings": [p["settings"][end] for _, p, end in columns]}
