@@ -148,6 +148,28 @@ def test_eval_of_a_data_task_defaults_to_validation_and_takes_a_split(tmp_path):
     assert "forecast_sine has 4 features per step but the checkpoint was trained on 2" in error
 
 
+def test_eval_of_a_classifier_defaults_to_the_test_split(tmp_path):
+    """A UCR set (the toy one in tests/data/ucr) has TRAIN and TEST only: eval reads TEST whole, as training
+    reported it, or TRAIN when asked; a task without classes is refused."""
+    out, root = tmp_path / "run", Path(__file__).parent / "data" / "ucr"
+    task = f"task={{name: ucr, options: {{dataset: Toy, root: {root}}}, train_length: 12, eval_lengths: [12]}}"
+    result = runner.invoke(app, ["train", str(TINY), "--out", str(out), "--quiet", "steps=2", "model.variant=lstm",
+                                 task])
+    assert result.exit_code == 0, result.output
+    trained = json.loads((out / "eval.json").read_text())["results"]["12"]
+    found = {}
+    for split in (None, "train"):
+        result = runner.invoke(app, ["eval", str(out), "--out", str(tmp_path / f"{split}.json")]
+                               + (["--split", split] if split else []))
+        assert result.exit_code == 0, result.output
+        saved = json.loads((tmp_path / f"{split}.json").read_text())
+        found[saved["split"]] = saved["results"]["12"]
+    assert found["test"] == pytest.approx(trained) and found["test"]["examples"] == 6
+    assert found["train"]["examples"] == 8
+    error = one_line_error(runner.invoke(app, ["eval", str(out), "--task", "forecast_sine", "--lengths", "12"]))
+    assert "forecast_sine has no classes but the checkpoint was trained on 2" in error
+
+
 @pytest.mark.parametrize("argv, message", [
     (["train"], "Missing argument"),
     (["train", str(TINY), "--bogus"], "No such option: --bogus"),

@@ -124,8 +124,8 @@ def eval_command(
     batch_size: int | None = typer.Option(None, min=1, help="Sequences per batch (default: the config's)."),
     seed: int = typer.Option(0, help="Evaluation set (0 is the set training reports on)."),
     split: str | None = typer.Option(None, help="Tasks read from data: the split to evaluate on, train or val "
-                                                "(lm_bytes), train, val or test (forecast_csv); default val, as "
-                                                "training reports."),
+                                                "(lm_bytes), train, val or test (forecast_csv), train or test (ucr); "
+                                                "default the split training reports (val; test for ucr)."),
     device: str = typer.Option("cpu", help="cpu, cuda or auto."),
     out: Path | None = typer.Option(None, help="Results JSON (default: eval_<task>[_<split>][_seed<seed>]_step<N>"
                                                ".json in the run directory, which pruning checkpoints keeps)."),
@@ -146,6 +146,9 @@ def eval_command(
         raise ValueError(f"--task {eval_task.name} is {kinds[eval_task.vocab_size is None]} but the checkpoint "
                          f"was trained on {kinds[trained_task.vocab_size is None]}")
     check_model_fits_task(cfg.model, eval_task)
+    if eval_task.num_classes != trained_task.num_classes:
+        raise ValueError(f"--task {eval_task.name} has {eval_task.num_classes or 'no'} classes but the checkpoint "
+                         f"was trained on {trained_task.num_classes or 'none'} (a classifier reads whole series)")
     if eval_task.num_features != trained_task.num_features:
         raise ValueError(f"--task {eval_task.name} has {eval_task.num_features} features per step but the checkpoint "
                          f"was trained on {trained_task.num_features}")

@@ -19,7 +19,7 @@ from titans.train import build_model, build_task, train
 
 ROOT = Path(__file__).resolve().parents[2]
 FOLDER = ROOT / "configs" / "experiments"
-ISSUE_EXPERIMENTS = {"niah", "babilong", "mqar", "long", "capacity", "efficiency"}
+ISSUE_EXPERIMENTS = {"niah", "babilong", "mqar", "long", "capacity", "efficiency", "encoder"}
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
@@ -57,6 +57,22 @@ def test_full_grids_are_parameter_matched(name):
         by_size.setdefault((run.panel, cfg.model.dim), []).append(count)
     for counts in by_size.values():
         assert max(counts) / min(counts) < 1.02, counts
+
+
+def test_encoder_grid_is_parameter_matched_and_trains_each_set_at_its_length():
+    """The encoder experiment's classifiers (one feature, two classes on both UCR sets: tests/tasks/test_ucr.py
+    checks that where aeon is installed) have the same parameters to within 2%; each set has its own length."""
+    from titans.models import ClassificationHead, TitansEncoder
+
+    exp = load_experiment("encoder", folder=FOLDER)
+    runs = expand(exp)
+    counts = {run.model: sum(p.numel() for p in ClassificationHead(TitansEncoder(1, config=run.config.model), 2)
+                             .parameters()) for run in runs}
+    assert set(counts) == {"lmm", "mac", "mag", "mal", "transformer", "lstm"}
+    assert max(counts.values()) / min(counts.values()) < 1.02, counts
+    lengths = {run.panel: (run.config.task.train_length, run.config.task.eval_lengths) for run in runs}
+    assert lengths == {"ItalyPowerDemand": (24, [24]), "GunPoint": (150, [150])}
+    assert {run.setting(150, exp) for run in runs if run.task == "GunPoint"} == {"GunPoint/150"}
 
 
 def test_quick_results_hold_what_the_issue_names(quick_results):

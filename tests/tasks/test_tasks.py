@@ -45,7 +45,7 @@ def scored(targets_row):
 
 
 def test_every_task_is_covered():
-    assert set(TOKEN_TASKS) | {"forecast_sine", "forecast_csv"} == set(TASKS)
+    assert set(TOKEN_TASKS) | {"forecast_sine", "forecast_csv", "ucr"} == set(TASKS)  # ucr: tests/tasks/test_ucr.py
 
 
 @pytest.mark.parametrize("name", sorted(TOKEN_TASKS))

@@ -2,6 +2,7 @@
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -131,6 +132,29 @@ def test_series_tasks_train_a_forecaster(tiny_config, tmp_path):
                                           "steps=3", "model.variant=mag", "model.window=8"])
     result = train(cfg, tmp_path / "run", quiet=True)
     assert set(result.evaluation[24]) == {"loss"} and 0 < result.evaluation[24]["loss"] < 10
+
+
+def test_classification_tasks_train_a_classifier_scored_on_the_whole_test_split(tiny_config, tmp_path):
+    """A UCR set (the toy one in tests/data/ucr): a TitansEncoder with a linear classifier of its last hidden state,
+    cross-entropy per series, and the accuracy over every series of the TEST split, each read once, whatever
+    eval_batches says; reading the series in pieces through the state gives the same logits."""
+    from titans.models import ClassificationHead
+
+    root = Path(__file__).resolve().parents[1] / "data" / "ucr"
+    cfg = load_train_config(tiny_config, [f"task={{name: ucr, options: {{dataset: Toy, root: {root}}}, "
+                                          "train_length: 12, eval_lengths: [12]}", "steps=3", "model.variant=mag",
+                                          "model.window=8", "eval_batches=1", "eval_batch_size=4"])
+    trainer = Trainer(cfg, tmp_path / "run", quiet=True)
+    assert isinstance(trainer.model, ClassificationHead) and trainer.eval_task.options.split == "test"
+    result = trainer.run().evaluation[12]
+    assert set(result) == {"loss", "accuracy", "examples"} and result["examples"] == 6  # the test file's 6 series
+    whole = trainer.eval_task.full_set(12)
+    with torch.no_grad():
+        logits = trainer.model(whole.inputs)[0]
+    assert result["accuracy"] == pytest.approx((logits.argmax(-1) == whole.targets).float().mean().item())
+    assert result["loss"] == pytest.approx(torch.nn.functional.cross_entropy(logits, whole.targets).item(), rel=1e-5)
+    pieces = evaluate(trainer.model, trainer.eval_task, [12], 1, 6, piece=5)[12]
+    assert pieces["accuracy"] == result["accuracy"] and pieces["loss"] == pytest.approx(result["loss"], rel=1e-4)
 
 
 def test_dropout_masks_depend_on_the_step_not_on_what_ran_before(tiny_config, tmp_path):

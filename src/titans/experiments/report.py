@@ -131,8 +131,9 @@ def plot_heatmap(data: dict[str, Any], path: Path) -> None:
 
 
 def plot(data: dict[str, Any], path: Path) -> None:
-    """One panel per plot panel, a line per model against x (log2 axis when x spans a factor of 8 or more); a heat map
-    over two model settings where the experiment asks for one."""
+    """One panel per plot panel, a line per model against x (log2 axis when x spans a factor of 8 or more), or where
+    a panel has a single column a point per model with the seeds' range; a heat map over two model settings where the
+    experiment asks for one."""
     if data.get("heatmap"):
         return plot_heatmap(data, path)
     import matplotlib
@@ -144,6 +145,9 @@ def plot(data: dict[str, Any], path: Path) -> None:
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
     for ax, (name, panel) in zip(axes[0], panels.items()):
         xs = panel["x"]
+        if len(xs) == 1:
+            plot_models(ax, data, panel, name)
+            continue
         for model, by_setting in data["results"].items():
             points = [(x, by_setting.get(s)) for x, s in zip(xs, panel["settings"]) if by_setting.get(s) is not None]
             if points:
@@ -159,11 +163,29 @@ def plot(data: dict[str, Any], path: Path) -> None:
             ax.set_yscale("log")
         ax.set_title(name or data.get("title", data["experiment"]), fontsize=9)
         ax.grid(alpha=0.3)
-    axes[0][-1].legend(fontsize=7, loc="best")
+    if axes[0][-1].get_legend_handles_labels()[0]:
+        axes[0][-1].legend(fontsize=7, loc="best")
     fig.suptitle(data.get("title", data["experiment"]), fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plot_models(ax: Any, data: dict[str, Any], panel: dict[str, Any], name: str) -> None:
+    """A panel of one column: the models side by side, each its mean with a bar over the seeds' range."""
+    setting = panel["settings"][0]
+    spread = data.get("spread", {})
+    models = [m for m, r in data["results"].items() if r.get(setting) is not None]
+    for i, model in enumerate(models):
+        mean = data["results"][model][setting]
+        low, high = spread.get(model, {}).get(setting) or (mean, mean)
+        ax.errorbar([i], [mean], yerr=[[mean - low], [high - mean]], marker="o", markersize=4, capsize=3)
+    ax.set_xticks(range(len(models)), models, fontsize=7, rotation=30)
+    ax.set_xlim(-0.6, len(models) - 0.4)
+    ax.set_ylabel(data["metric"], fontsize=8)
+    ax.set_title(f"{name or data.get('title', data['experiment'])} ({data.get('x_label', 'x')} "
+                 f"{x_text(panel['x'][0])})", fontsize=9)
+    ax.grid(alpha=0.3, axis="y")
 
 
 def best_line(data: dict[str, Any], panel: dict[str, Any], name: str, end: int, memory: set[str]) -> str | None:
@@ -283,7 +305,8 @@ def headline(data: dict[str, Any], results_md: str, plot_path: str) -> str:
     """The README's lines for one experiment: its table at the largest x of each panel (a train experiment over
     lengths: at the training length and the largest), the plot, the link."""
     panels = data["panels"]
-    both_ends = data.get("kind", "train") == "train" and data.get("x_axis", "length") == "length"
+    both_ends = data.get("kind", "train") == "train" and data.get("x_axis", "length") == "length" and \
+        any(len(p["x"]) > 1 for p in panels.values())  # panels of one column each: their one length, said once
     ends = {name: ([0, -1] if both_ends and len(p["x"]) > 1 else [-1]) for name, p in panels.items()}
     columns = [(name, p, end) for name, p in panels.items() for end in ends[name]]
     chosen = {"settings": [p["settings"][end] for _, p, end in columns]}

@@ -150,7 +150,7 @@ def train_results(exp: Experiment, runs: list[Run], summaries: list[dict[str, An
     records = {}
     for run, summary in zip(runs, summaries):
         values = {}
-        for length in exp.eval_lengths:
+        for length in run.config.task.eval_lengths:
             setting = run.setting(length, exp)
             add_setting(panels, run.panel, setting, run.x_of(length, exp))
             value = None if "error" in summary else summary["results"][str(length)][exp.metric]

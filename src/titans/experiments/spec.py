@@ -24,11 +24,17 @@ from ..train.config import RUN_NAME, TrainConfig, load_train_config
 
 @dataclasses.dataclass
 class TaskAxis(Config):
-    """One task of the grid: a registered task with its options, and its x value when `x_axis` is `task`."""
+    """One task of the grid: a registered task with its options, its x value when `x_axis` is `task`, and its own
+    training length where it needs one (a data set of fixed-length series) instead of the experiment's."""
 
     name: str = "passkey"
     options: dict[str, Any] = dataclasses.field(default_factory=dict)
     x: Optional[float] = None
+    train_length: Optional[int] = None
+
+    def validate(self) -> None:
+        if self.train_length is not None and self.train_length < 1:
+            raise ValueError(f"a task's train_length must be >= 1 (or left out), got {self.train_length}")
 
 
 @dataclasses.dataclass
@@ -181,6 +187,12 @@ class Experiment(Config):
     def eval_lengths(self) -> list[int]:
         return [m * self.train_length for m in self.eval_multiples]
 
+    def lengths_of(self, task: TaskAxis) -> tuple[int, list[int]]:
+        """(training length, evaluation lengths) of a task of the grid: its own training length or the
+        experiment's, times `eval_multiples`."""
+        train_length = task.train_length or self.train_length
+        return train_length, [m * train_length for m in self.eval_multiples]
+
     @property
     def models(self) -> dict[str, dict[str, Any]]:
         """Every row: label -> model changes (a variant alone, or an extra model)."""
@@ -266,12 +278,13 @@ def expand(exp: Experiment) -> list[Run]:
                     panel_parts = ([size_label] if len(sizes) > 1 else []) + (
                         [task_label] if exp.x_axis == "length" and len(exp.tasks) > 1 else [])
                     run_id = "-".join(p for p in (label.replace(" ", "-"), size_label, task_label, f"s{seed}") if p)
+                    train_length, eval_lengths = exp.lengths_of(task)
                     data = merge(exp.base, size)
                     data = merge(data, exp.variant_overrides.get(model["variant"], {}))
                     data = merge(data, {
                         "name": run_id, "model": model, "seed": seed,
-                        "task": {"name": task.name, "options": task.options, "train_length": exp.train_length,
-                                 "eval_lengths": exp.eval_lengths},
+                        "task": {"name": task.name, "options": task.options, "train_length": train_length,
+                                 "eval_lengths": eval_lengths},
                         "time_budget_s": exp.time_budget_s, "threads": 1, "tensorboard": False})
                     try:
                         cfg = load_train_config(data=data)

@@ -1,13 +1,24 @@
 """Tasks: generated (seeded) or read from local files; nothing is downloaded.
 
 `get_task(name, **options)` builds any task in `TASKS`; `task.sample(batch_size, length, generator)`
-returns a `TokenBatch` or `SeriesBatch` of exactly `length` positions.
+returns a `TokenBatch`, `SeriesBatch` or `LabelBatch` of exactly `length` positions.
 """
 
-from . import babilong, copying, forecast, lm, needle, recall  # noqa: F401  (importing registers the tasks)
-from .base import IGNORE_INDEX, TASKS, SeriesBatch, Task, TaskOptions, TokenBatch, exact_match, get_task, token_accuracy
+from . import babilong, copying, forecast, lm, needle, recall, ucr  # noqa: F401  (importing registers the tasks)
+from .base import (
+    IGNORE_INDEX,
+    TASKS,
+    LabelBatch,
+    SeriesBatch,
+    Task,
+    TaskOptions,
+    TokenBatch,
+    exact_match,
+    get_task,
+    token_accuracy,
+)
 from .lm import bits_per_byte
 from .recall import CapacityResult, measure_capacity
 
-__all__ = ["IGNORE_INDEX", "TASKS", "CapacityResult", "SeriesBatch", "Task", "TaskOptions", "TokenBatch",
+__all__ = ["IGNORE_INDEX", "TASKS", "CapacityResult", "LabelBatch", "SeriesBatch", "Task", "TaskOptions", "TokenBatch",
            "bits_per_byte", "exact_match", "get_task", "measure_capacity", "token_accuracy"]

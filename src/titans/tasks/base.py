@@ -33,7 +33,14 @@ class SeriesBatch(NamedTuple):
     targets: Tensor
 
 
-Batch = Union[TokenBatch, SeriesBatch]
+class LabelBatch(NamedTuple):
+    """A batch of a classification task: `inputs` [B, T, F] float (whole series), `targets` [B] long (class indices)."""
+
+    inputs: Tensor
+    targets: Tensor
+
+
+Batch = Union[TokenBatch, SeriesBatch, LabelBatch]
 
 
 def _predictions(logits_or_preds: Tensor, targets: Tensor) -> Tensor:
@@ -91,14 +98,16 @@ class TaskOptions(Config):
 class Task:
     """Base class: `sample(batch_size, length, generator)` returns a batch of exactly `length` positions.
 
-    Subclasses set `name`, `Options`, `vocab_size` (token tasks) or `num_features` (series tasks),
-    `min_length()` (the shortest sequence that holds the task's content) and `_generate`.
+    Subclasses set `name`, `Options`, `vocab_size` (token tasks) or `num_features` (series tasks; with
+    `num_classes` too, classification of whole series), `min_length()` (the shortest sequence that holds the task's
+    content) and `_generate`; a task read from a finite labelled set also gives `full_set`.
     """
 
     name: ClassVar[str]
     Options: ClassVar[type[TaskOptions]]
     vocab_size: Optional[int] = None
     num_features: Optional[int] = None
+    num_classes: Optional[int] = None
     byte_level: ClassVar[bool] = False  # token ids are UTF-8 bytes (prompts are text, outputs decode to text)
 
     def __init__(self, options: TaskOptions):
@@ -122,6 +131,11 @@ class Task:
 
     def _generate(self, batch_size: int, length: int, generator: torch.Generator) -> Batch:
         raise NotImplementedError
+
+    def full_set(self, length: int) -> Optional[Batch]:
+        """Every example of the task, in order, where it is a finite set (evaluation then reads each once instead of
+        sampling); None for tasks that generate or window their data."""
+        return None
 
     def held_out(self, split: Optional[str] = None) -> Task:
         """The task to evaluate on. Tasks read from data (their options have a `split`) give the same task on

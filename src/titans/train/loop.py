@@ -28,8 +28,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from ..models import ForecastHead, TitansEncoder, TitansLM
-from ..tasks import IGNORE_INDEX, Task, TokenBatch, bits_per_byte, exact_match, get_task, token_accuracy
+from ..models import ClassificationHead, ForecastHead, TitansEncoder, TitansLM
+from ..tasks import IGNORE_INDEX, LabelBatch, Task, TokenBatch, bits_per_byte, exact_match, get_task, token_accuracy
 from ..tasks.base import Batch
 from .checkpoint import (
     check_run_dir,
@@ -95,11 +95,15 @@ def checked_tasks(cfg: TrainConfig) -> tuple[Task, Task]:
 
 
 def build_model(cfg: TrainConfig, task: Task) -> nn.Module:
-    """A TitansLM for token tasks; a TitansEncoder with a next-step forecasting head for series tasks."""
+    """A TitansLM for token tasks; a TitansEncoder with a next-step forecasting head for series tasks, or with a
+    linear classifier of its last hidden state for classification tasks."""
     check_model_fits_task(cfg.model, task)
     if task.vocab_size is not None:
         return TitansLM(cfg.model)
-    return ForecastHead(TitansEncoder(embed_dim=task.num_features, config=cfg.model))
+    encoder = TitansEncoder(embed_dim=task.num_features, config=cfg.model)
+    if task.num_classes is not None:
+        return ClassificationHead(encoder, task.num_classes)
+    return ForecastHead(encoder)
 
 
 def lr_at(step: int, optim: OptimConfig, total_steps: int) -> float:
@@ -129,6 +133,7 @@ def make_optimizer(model: nn.Module, optim: OptimConfig) -> torch.optim.AdamW:
 
 
 def scored_positions(batch: Batch) -> int:
+    """Token positions scored, series values predicted, or (classification) series classified."""
     if isinstance(batch, TokenBatch):
         return int((batch.targets != IGNORE_INDEX).sum())
     return batch.targets.numel()
@@ -147,12 +152,27 @@ def streamed(model: nn.Module, inputs: Tensor, piece: int | None) -> Tensor:
     return torch.cat(outputs, 1)
 
 
+def streamed_last(model: nn.Module, inputs: Tensor, piece: int | None) -> Tensor:
+    """The outputs of a model that reads a whole sequence into one output (a classifier of the last hidden state),
+    `piece` positions per call through the recurrent state: the last call's outputs."""
+    if piece is None:
+        return model(inputs)[0]
+    state = None
+    for start in range(0, inputs.shape[1], piece):
+        outputs, state = model(inputs[:, start:start + piece], state)
+    return outputs
+
+
 def loss_terms(model: nn.Module, batch: Batch, device: torch.device,
                piece: int | None = None) -> tuple[Tensor, Tensor]:
     """(sum of the per-position losses over the scored positions, model outputs); cross-entropy for
-    token tasks, squared error for series. `piece`: read the sequence that many positions at a time (`streamed`)."""
+    token tasks and for classification (one loss per series), squared error for series. `piece`: read the sequence
+    that many positions at a time (`streamed`)."""
     dtype = next(model.parameters()).dtype
     inputs, targets = batch.inputs.to(device), batch.targets.to(device)
+    if isinstance(batch, LabelBatch):
+        logits = streamed_last(model, inputs.to(dtype), piece)
+        return F.cross_entropy(logits.float(), targets, reduction="sum"), logits
     if isinstance(batch, TokenBatch):
         outputs = streamed(model, inputs, piece)
         total = F.cross_entropy(outputs.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
@@ -166,15 +186,23 @@ def evaluate(model: nn.Module, task: Task, lengths: list[int], batches: int, bat
              device: torch.device | str = "cpu", piece: int | None = None) -> dict[int, dict[str, float]]:
     """Per length, on `batches` x `batch_size` sequences drawn from (seed, length, row): mean loss per
     scored position, and for token tasks exact-match accuracy (rows with every scored token right)
-    and token accuracy, and bits per byte for the byte-level LM. `piece`: read each sequence that many tokens at a
-    time through the model's state (None: in one call)."""
+    and token accuracy, and bits per byte for the byte-level LM. A task that is a finite set (`Task.full_set`, a
+    labelled split) is read whole instead, each example once, `batch_size` at a time (`batches` and `seed` unused);
+    classification reports the accuracy over its series and their number (`examples`). `piece`: read each
+    sequence that many tokens at a time through the model's state (None: in one call)."""
     was_training = model.training
     model.eval()
     results = {}
     for length in lengths:
         loss_sum, count, matches, right = 0.0, 0, 0.0, 0.0
-        for b in range(batches):
-            batch = sample_rows(task, range(b * batch_size, (b + 1) * batch_size), length, EVAL_STREAM, seed, length)
+        whole = task.full_set(length)
+        if whole is None:
+            parts = (sample_rows(task, range(b * batch_size, (b + 1) * batch_size), length, EVAL_STREAM, seed, length)
+                     for b in range(batches))
+        else:
+            parts = (type(whole)(*(t[i:i + batch_size] for t in whole)) for i in range(0, len(whole.targets),
+                                                                                       batch_size))
+        for batch in parts:
             batch_loss, outputs = loss_terms(model, batch, torch.device(device), piece)
             n = scored_positions(batch)
             loss_sum, count = loss_sum + batch_loss.item(), count + n
@@ -182,7 +210,12 @@ def evaluate(model: nn.Module, task: Task, lengths: list[int], batches: int, bat
                 targets = batch.targets.to(outputs.device)
                 matches += exact_match(outputs, targets).sum().item()
                 right += token_accuracy(outputs, targets).item() * n
+            elif isinstance(batch, LabelBatch):
+                matches += (outputs.argmax(-1) == batch.targets.to(outputs.device)).sum().item()
         metrics = {"loss": loss_sum / max(count, 1)}
+        if task.num_classes is not None:
+            metrics["accuracy"] = matches / max(count, 1)
+            metrics["examples"] = count
         if task.vocab_size is not None:
             metrics["accuracy"] = matches / (batches * batch_size)
             metrics["token_accuracy"] = right / max(count, 1)
