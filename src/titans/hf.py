@@ -22,7 +22,7 @@ try:
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PretrainedConfig, PreTrainedModel
     from transformers.modeling_outputs import CausalLMOutputWithPast
 except ImportError as err:
-    raise ImportError('titans.hf needs Hugging Face transformers (>= 5.0): pip install "titans[hf]"') from err
+    raise ImportError('titans.hf needs Hugging Face transformers (>= 5.23): pip install "titans[hf]"') from err
 
 import torch
 import torch.nn.functional as F
@@ -31,10 +31,10 @@ from torch import Tensor
 from .memory import NeuralMemory
 from .models.config import TitansConfig
 from .models.lm import State, TitansLM, check_tokens
-from .models.pretrained import FORMAT_VERSION, MODEL_TYPE, SECTION, VERSION_KEY, section_to_config
+from .models.pretrained import FORMAT_VERSION, MODEL_TYPE, section_to_config
 
-if int(transformers.__version__.split(".")[0]) < 5:  # generate's cache handling and tied-weight keys changed in 5.0
-    raise ImportError(f"titans.hf needs transformers >= 5.0, found {transformers.__version__}: "
+if int(transformers.__version__.split(".")[0]) < 5:  # 4.x: other generate cache handling and tied-weight keys
+    raise ImportError(f"titans.hf needs transformers >= 5.23, found {transformers.__version__}: "
                       f'pip install "titans[hf]"')
 
 __all__ = ["TitansCache", "TitansForCausalLM", "TitansHFConfig"]
@@ -50,6 +50,7 @@ class TitansHFConfig(PretrainedConfig):
 
     model_type = MODEL_TYPE
 
+    # The arguments are config.json's keys (pretrained.SECTION and VERSION_KEY): transformers passes the file's keys.
     def __init__(self, titans: Optional[dict] = None, titans_format_version: int = FORMAT_VERSION, **kwargs: Any):
         fields = {name: kwargs.pop(name) for name in list(kwargs) if name in TitansConfig.__dataclass_fields__}
         for derived in ("tie_word_embeddings", "model_type"):  # answered from the section (a saved file has them)
@@ -179,5 +180,3 @@ class TitansForCausalLM(PreTrainedModel, GenerationMixin):
 
 AutoConfig.register(MODEL_TYPE, TitansHFConfig, exist_ok=True)
 AutoModelForCausalLM.register(TitansHFConfig, TitansForCausalLM, exist_ok=True)
-
-assert SECTION == "titans" and VERSION_KEY == "titans_format_version"  # the names of TitansHFConfig's arguments
