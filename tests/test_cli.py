@@ -1,4 +1,4 @@
-"""The command line: SIGKILL + resume end to end, train/eval/generate, one-line errors, no overwriting."""
+"""The command line: SIGKILL + resume end to end, train/eval/generate/export, one-line errors, no overwriting."""
 
 import json
 import shutil
@@ -14,9 +14,10 @@ import yaml
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
+from titans import TitansLM
 from titans.cli import app, main
 from titans.tasks.lm import file_split as lm_split
-from titans.train.checkpoint import checkpoint_step, latest_checkpoint
+from titans.train.checkpoint import checkpoint_step, latest_checkpoint, load_checkpoint_config, load_weights
 
 TINY = Path(__file__).parent / "train" / "tiny.yaml"
 runner = CliRunner()
@@ -308,3 +309,41 @@ def test_bad_checkpoints_and_prompts_are_one_line(tmp_path):
     (checkpoint / "model.safetensors").write_bytes(b"not a safetensors file")
     assert "corrupt" in error("eval", str(out))
     assert "corrupt" in error("train", str(TINY), "--out", str(out), "--resume", "steps=4")
+
+
+def test_export_writes_a_pretrained_model_and_overwrites_nothing(tmp_path):
+    run = tmp_path / "run"
+    assert runner.invoke(app, ["train", str(TINY), "--out", str(run), "--quiet", "steps=2"]).exit_code == 0
+    out = tmp_path / "model"
+    result = runner.invoke(app, ["export", str(run), str(out)])
+    assert result.exit_code == 0, result.output
+    assert result.stdout.splitlines()[-1] == str(out)
+    exported = TitansLM.from_pretrained(out)
+    trained = TitansLM(load_checkpoint_config(latest_checkpoint(run)).model)
+    load_weights(latest_checkpoint(run), trained)
+    x = torch.randint(0, 24, (2, 10))
+    assert exported.config == trained.config and torch.equal(exported(x)[0], trained.eval()(x)[0])
+
+    def error(*argv):
+        return one_line_error(runner.invoke(app, list(argv)))
+
+    (out / "notes.txt").write_text("mine")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert "already holds a saved model; pass --force" in error("export", str(run), str(out))
+    assert "does not exist" in error("export", str(tmp_path / "missing"), str(tmp_path / "elsewhere"))
+    (tmp_path / "empty").mkdir()
+    assert "neither a checkpoint" in error("export", str(tmp_path / "empty"), str(tmp_path / "elsewhere"))
+    assert "run or checkpoint directory" in error("export", str(run), str(run))
+    assert "run or checkpoint directory" in error("export", str(run), str(latest_checkpoint(run)), "--force")
+    (tmp_path / "file").write_text("x")
+    assert "is a file" in error("export", str(run), str(tmp_path / "file"))
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before and not (tmp_path / "elsewhere").exists()
+    result = runner.invoke(app, ["export", str(latest_checkpoint(run)), str(out), "--force"])  # a checkpoint folder
+    assert result.exit_code == 0, result.output
+    assert (out / "notes.txt").read_text() == "mine"  # --force replaces the model, nothing else
+
+    forecaster = tmp_path / "forecaster"
+    assert runner.invoke(app, ["train", str(TINY), "task.name=forecast_sine", "task.options={}", "steps=1", "--quiet",
+                               "--out", str(forecaster)]).exit_code == 0
+    assert "not a language model" in error("export", str(forecaster), str(tmp_path / "f"))
+    assert not (tmp_path / "f").exists()

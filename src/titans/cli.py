@@ -1,4 +1,4 @@
-"""The `titans` command line: train, eval, generate, bench, demo, experiment.
+"""The `titans` command line: train, eval, generate, export, bench, demo, experiment.
 
 Bad input ends with one line on stderr ("error: ...") and exit code 2, never a traceback wall
 (the commands turn the library's ValueErrors into that line; `main` does the same for usage errors
@@ -237,6 +237,35 @@ def generate(
         typer.echo(bytes(t if t < 256 else 0xFF for t in new).decode("utf-8", errors="replace"))
     else:
         typer.echo(" ".join(map(str, new)))
+
+
+@app.command()
+@friendly
+def export(
+    ckpt: Path = typer.Argument(..., help="Checkpoint directory, or a run directory (its latest checkpoint)."),
+    out: Path = typer.Argument(..., help="Directory for config.json and model.safetensors (created if needed)."),
+    force: bool = typer.Option(False, help="Replace a model already saved in OUT (other files there stay)."),
+) -> None:
+    """Turn a training checkpoint into a pretrained model directory: TitansLM.from_pretrained(OUT) loads it, and so
+    does transformers' AutoModelForCausalLM.from_pretrained(OUT) after `import titans.hf` (its path is the last
+    line)."""
+    from .models import TitansLM
+    from .train.checkpoint import RUN_MARKER, resolve_checkpoint
+
+    path = resolve_checkpoint(ckpt)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{out} is a file, not a directory")
+    if out.resolve() == path.resolve() or (out / RUN_MARKER).is_file() or (out / "trainer.pt").is_file():
+        # A model.safetensors there would turn a run directory into a "checkpoint" for eval, generate and --resume.
+        raise ValueError(f"{out} is a run or checkpoint directory; export to a directory of its own")
+    if not force and any((out / name).exists() for name in ("config.json", "model.safetensors")):
+        raise ValueError(f"{out} already holds a saved model; pass --force to replace it")
+    _, cfg, _, model = load_for_inference(path, "cpu")
+    if not isinstance(model, TitansLM):
+        raise ValueError(f"checkpoint {path} is a {cfg.task.name} forecaster, not a language model; only language "
+                         "models export")
+    model.save_pretrained(out, overwrite=force)
+    typer.echo(str(out))
 
 
 @app.command()

@@ -178,9 +178,8 @@ class NeuralMemory(nn.Module):
 
         self.to_qkv = nn.Linear(dim, 3 * dim, bias=False)  # W_Q, W_K, W_V
         self.conv = CausalDepthwiseConv(3 * dim, conv_kernel)
-        # Logits of θ, η, α per head: every gate starts at its init_* value (the bias is its logit).
-        init_logits = torch.tensor([logit(init_theta / max_lr), logit(init_eta), logit(init_alpha)],
-                                   dtype=torch.float64).repeat_interleave(heads)
+        self.init_gates = (init_theta, init_eta, init_alpha)
+        init_logits = self.initial_gate_logits()
         if gates == "data":  # the outer loop tunes the bias and the weights from x
             self.to_gates = nn.Linear(dim, 3 * heads)
             with torch.no_grad():
@@ -205,6 +204,13 @@ class NeuralMemory(nn.Module):
         self.out_norm_weight = nn.Parameter(torch.ones(heads, 1, self.head_dim))
         self.to_out_gate = nn.Linear(dim, dim, bias=False)
         self.to_out = nn.Linear(dim, dim, bias=False)
+
+    def initial_gate_logits(self) -> Tensor:
+        """Logits of θ, η, α per head at init (float64): every gate starts at its init_* value, the bias being its
+        logit; constant gates keep them. Also what a loader that leaves buffers empty (Hugging Face) refills."""
+        theta, eta, alpha = self.init_gates
+        return torch.tensor([logit(theta / self.max_lr), logit(eta), logit(alpha)],
+                            dtype=torch.float64).repeat_interleave(self.heads)
 
     # ----------------------------------------------------------------------------------------- state
     def _state_dtype(self) -> torch.dtype:

@@ -27,6 +27,7 @@ from .lmm import build_lmm_mixer
 from .mac import build_mac_mixer
 from .mag import build_mag_mixer
 from .mal import build_mal_mixer
+from .pretrained import config_to_saved, saved_to_config
 from .state_io import staged_writes
 
 MIXERS: dict[str, Callable[[TitansConfig], nn.Module]] = {
@@ -61,6 +62,13 @@ class Backbone(nn.Module):
             x, block_state = block(x, state[i] if state is not None else None)
             new_state.append(block_state)
         return self.norm(x), new_state
+
+
+def check_tokens(tokens: Tensor, vocab_size: int) -> None:
+    if tokens.dim() != 2 or tokens.dtype != torch.long:
+        raise ValueError(f"tokens must be a [batch, seq] long tensor, got {tuple(tokens.shape)} {tokens.dtype}")
+    if tokens.numel() and (tokens.min() < 0 or tokens.max() >= vocab_size):
+        raise ValueError(f"tokens must lie in [0, {vocab_size}), got [{tokens.min()}, {tokens.max()}]")
 
 
 def check_sampling(temperature: float, top_k: Optional[int], top_p: Optional[float]) -> None:
@@ -120,10 +128,7 @@ class TitansLM(nn.Module):
         return count_parameters(self)
 
     def forward(self, tokens: Tensor, state: Optional[State] = None) -> tuple[Tensor, State]:
-        if tokens.dim() != 2 or tokens.dtype != torch.long:
-            raise ValueError(f"tokens must be a [batch, seq] long tensor, got {tuple(tokens.shape)} {tokens.dtype}")
-        if tokens.numel() and (tokens.min() < 0 or tokens.max() >= self.config.vocab_size):
-            raise ValueError(f"tokens must lie in [0, {self.config.vocab_size}), got [{tokens.min()}, {tokens.max()}]")
+        check_tokens(tokens, self.config.vocab_size)
         h, state = self.backbone(self.embed(tokens), state)
         return self.head(h), state
 
@@ -163,7 +168,8 @@ class TitansLM(nn.Module):
         return (out, state) if return_state else out
 
     def save_pretrained(self, directory: Union[str, Path], overwrite: bool = False) -> None:
-        """Write `config.json` and `model.safetensors` into `directory` (created if needed).
+        """Write `config.json` (the layout in `pretrained.py`, which Hugging Face's `AutoModelForCausalLM` reads after
+        `import titans.hf`) and `model.safetensors` into `directory` (created if needed).
 
         A directory that already holds a saved model is refused unless `overwrite`; other files in it are left
         alone. Both files are written under temporary names first and renamed once both are complete, so a save that
@@ -176,11 +182,12 @@ class TitansLM(nn.Module):
             raise ValueError(f"{directory} already holds a saved model; pass overwrite=True to replace it")
         directory.mkdir(parents=True, exist_ok=True)
         with staged_writes(*(directory / name for name in names)) as (config_file, weights_file):
-            config_file.write_text(json.dumps(self.config.to_dict(), indent=2))
+            config_file.write_text(json.dumps(config_to_saved(self.config), indent=2))
             save_model(self, str(weights_file))
 
     @classmethod
     def from_pretrained(cls, directory: Union[str, Path], device: str = "cpu") -> "TitansLM":
+        """Load a model that `save_pretrained`, `titans export` or `titans.hf` (Hugging Face) saved."""
         directory = Path(directory)
         config_path, weights_path = directory / "config.json", directory / "model.safetensors"
         for p in (config_path, weights_path):
@@ -190,7 +197,7 @@ class TitansLM(nn.Module):
             data = json.loads(config_path.read_text(), object_pairs_hook=_unique_keys)
         except ValueError as err:  # malformed JSON, or a key given twice
             raise ValueError(f"{config_path} is not valid JSON: {err}") from None
-        config = TitansConfig.from_dict(data)
+        config = saved_to_config(data, str(config_path))
         try:
             with safe_open(str(weights_path), framework="pt") as f:  # the saved dtype, from an empty slice
                 dtype = f.get_slice(next(iter(f.keys())))[:0].dtype
