@@ -13,7 +13,7 @@ from titans.cli import app
 from titans.experiments import expand, experiment_names, load_experiment, run_experiment, write_report
 from titans.experiments.measure import memory_reader
 from titans.experiments.report import README_END, README_START, load_results
-from titans.experiments.runner import _train_or_error, resumable, train_one
+from titans.experiments.runner import _train_or_error, finished, resumable, train_one
 from titans.tasks import measure_capacity
 from titans.train import build_model, build_task, train
 
@@ -171,6 +171,29 @@ def test_a_killed_run_continues_from_its_checkpoint(tmp_path, monkeypatch):
     assert done["step"] == 4 and calls[0]["resume"] and not calls[0]["force"]
     assert not resumable(cfg, run_dir)  # finished now
     assert train_one(cfg, run_dir) == done and len(calls) == 1
+
+
+def test_the_time_budget_limits_a_run_without_keying_it(tmp_path, monkeypatch):
+    """A run that met its steps is read back under any budget; one its budget cut short is read back under that
+    budget and continued from its checkpoint under another."""
+    run = expand(load_experiment("long", quick=True, folder=FOLDER))[0]
+    cfg = run.config.replace(steps=4, checkpoint_every=2, time_budget_s=1000.0)
+    run_dir = tmp_path / run.run_id
+    train(cfg.replace(steps=2), run_dir, quiet=True)  # stands for the run its budget stopped at step 2:
+    cfg.to_yaml(run_dir / "config.yaml")  # its config is the 4-step run's
+    assert finished(cfg, run_dir)["step"] == 2 and not resumable(cfg, run_dir)
+    longer = cfg.replace(time_budget_s=5000.0)
+    assert finished(longer, run_dir) is None and resumable(longer, run_dir)
+    calls = []
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return train(*args, **kwargs)
+
+    monkeypatch.setattr("titans.train.train", spy)
+    done = train_one(longer, run_dir)
+    assert done["step"] == 4 and calls[0]["resume"] and not calls[0]["force"]
+    assert train_one(cfg.replace(time_budget_s=None), run_dir) == done and len(calls) == 1  # complete: any budget
 
 
 def test_a_failed_run_is_recorded_and_the_grid_goes_on(tmp_path):

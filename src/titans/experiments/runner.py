@@ -33,27 +33,47 @@ from ..train.config import TrainConfig
 from .spec import Experiment, Run, expand
 
 
+def _without_budget(cfg: TrainConfig) -> dict[str, Any]:
+    return {key: value for key, value in cfg.to_dict().items() if key != "time_budget_s"}
+
+
 def holds_run_of(cfg: TrainConfig, run_dir: Path) -> bool:
-    """Whether `run_dir` holds a run (finished or not) of exactly `cfg`."""
+    """Whether `run_dir` holds a run (finished or not) of `cfg`: the same config up to the time budget, which limits a
+    run without being one of its settings (a run that met its steps under one budget is the run of any other)."""
     from ..train.checkpoint import load_checkpoint_config
 
     if not (run_dir / "config.yaml").is_file():
         return False
     try:
-        return load_checkpoint_config(run_dir).to_dict() == cfg.to_dict()
+        return _without_budget(load_checkpoint_config(run_dir)) == _without_budget(cfg)
     except ValueError:
         return False
 
 
+def _cut_short_by_another_budget(cfg: TrainConfig, run_dir: Path, summary: dict[str, Any]) -> bool:
+    """A finished run that its time budget stopped before its steps, under a budget other than `cfg`'s: under this one
+    it would have trained on, so it is continued, not read back."""
+    from ..train.checkpoint import load_checkpoint_config
+
+    return summary["step"] < cfg.steps and load_checkpoint_config(run_dir).time_budget_s != cfg.time_budget_s
+
+
 def finished(cfg: TrainConfig, run_dir: Path) -> dict[str, Any] | None:
-    """The run's eval.json where `run_dir` holds a finished run of exactly `cfg`, else None."""
+    """The run's eval.json where `run_dir` holds a finished run of `cfg`, else None."""
     result = run_dir / "eval.json"
-    return json.loads(result.read_text()) if result.is_file() and holds_run_of(cfg, run_dir) else None
+    if not result.is_file() or not holds_run_of(cfg, run_dir):
+        return None
+    summary = json.loads(result.read_text())
+    return None if _cut_short_by_another_budget(cfg, run_dir, summary) else summary
 
 
 def resumable(cfg: TrainConfig, run_dir: Path) -> bool:
-    """Whether `run_dir` holds an unfinished run of exactly `cfg` (a killed grid) to continue."""
-    return not (run_dir / "eval.json").is_file() and holds_run_of(cfg, run_dir)
+    """Whether `run_dir` holds a run of `cfg` to continue: unfinished (a killed grid), or cut short by another time
+    budget."""
+    if not holds_run_of(cfg, run_dir):
+        return False
+    result = run_dir / "eval.json"
+    return not result.is_file() or _cut_short_by_another_budget(cfg, run_dir, json.loads(result.read_text()))
 
 
 def train_one(cfg: TrainConfig, run_dir: Path) -> dict[str, Any]:
