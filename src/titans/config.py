@@ -1,21 +1,25 @@
-"""One configuration system for the whole library: frozen-ish dataclasses, loaded strictly.
+"""One configuration system for the whole library: pydantic models, loaded strictly.
 
-Every config (model, task, training) is a dataclass deriving from `Config`. Loading from a dict or
-YAML rejects unknown fields and wrong types with a `ValueError` that names the field, so a typo in a
-YAML file never silently falls back to a default.
+Every config (model, task, training, experiment) derives from `Config`, a pydantic model that refuses unknown fields,
+wrong types (strict: `true` is not an integer and "1" not a number; an integer is a float), NaN and infinity (`None`
+is how a field says "no limit"), and values out of a field's bounds (`Field(ge=...)`). Each class's cross-field rules
+are a `model_validator(mode="after")`. Assigning a field after construction runs the same checks. A refusal is a
+`ConfigError` (a ValueError) with one line per problem, each naming the field's dotted path (`model.dim`), so a typo in
+a YAML file never silently falls back to a default.
+
+Pydantic does not read YAML: the loader (duplicate keys refused, `1e9` a number), the dotted overrides (`a.b=value`)
+and the YAML round trip are here.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import re
 import types
-import typing
 from pathlib import Path
-from typing import Any, Literal, TypeVar, Union, get_args, get_origin
+from typing import Annotated, Any, TypeVar, Union, get_args, get_origin
 
 import yaml
+from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError
 
 
 class _Loader(yaml.SafeLoader):
@@ -48,131 +52,156 @@ _Loader.add_implicit_resolver(
 def load_yaml(text: str) -> Any:
     return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
 
+
 C = TypeVar("C", bound="Config")
+T = TypeVar("T")
 
 
-def _check_value(path: str, tp: Any, value: Any) -> Any:
-    """Coerce/validate `value` against annotation `tp`; raise ValueError naming `path`."""
-    origin = get_origin(tp)
-    if tp is Any:
-        return value
-    if origin in (Union, types.UnionType):
-        options = get_args(tp)
-        if value is None and type(None) in options:
+def _tuple_from_list(value: Any) -> Any:
+    return tuple(value) if isinstance(value, list) else value
+
+
+# A tuple field (`betas: FromList[tuple[float, float]]`) also takes a list: YAML and JSON have no tuples, and strict
+# mode alone would refuse a list. The items are still checked strictly.
+FromList = Annotated[T, BeforeValidator(_tuple_from_list)]
+
+
+class ConfigError(ValueError):
+    """A refused config: `problems` are (dotted path, what is wrong) pairs; str() is one line for each."""
+
+    def __init__(self, problems: list[tuple[str, str]]):
+        self.problems = problems
+        super().__init__("\n".join(f"{path}: {what}" if path else what for path, what in problems))
+
+    def under(self, prefix: str) -> ConfigError:
+        """The same problems, found in a config that sits at `prefix` (a field's path, or a name such as `task x`)."""
+        return ConfigError([(_joined(prefix, path), what) for path, what in self.problems])
+
+
+def _joined(prefix: str, path: str) -> str:
+    if not prefix or not path:
+        return prefix or path
+    return prefix + path if path.startswith("[") else f"{prefix}.{path}"
+
+
+def _dotted(loc: tuple[int | str, ...]) -> str:
+    return "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc).removeprefix(".")
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+_BOUNDS = {"gt": ">", "ge": ">=", "lt": "<", "le": "<="}
+_BOUND_ERRORS = ("greater_than", "greater_than_equal", "less_than", "less_than_equal")
+
+
+def _problems(err: ValidationError, cls: type[Config]) -> list[tuple[str, str]]:
+    """Pydantic's errors in our words: (dotted path, what is wrong, with the value given)."""
+    problems = []
+    for error in err.errors(include_url=False):
+        path, kind = _dotted(error["loc"]), error["type"]
+        if kind == "value_error":  # a model validator's rule: its message names the fields it involves
+            problems.append((path, str(error["ctx"]["error"])))
+        elif kind in ("extra_forbidden", "no_such_attribute"):  # in the data, or assigned to
+            owner = _model_at(cls, error["loc"][:-1])
+            valid = f"; valid fields: {', '.join(sorted(owner.model_fields))}" if owner else ""
+            problems.append((path, f"unknown field{f' for {owner.__name__}' if owner else ''}{valid}"))
+        elif kind == "frozen_instance":
+            problems.append((path, f"cannot be changed: {cls.__name__} is read-only"))
+        elif kind in ("too_short", "too_long"):  # a list or tuple with the wrong number of items
+            ctx = error["ctx"]
+            count = f"at least {ctx['min_length']}" if kind == "too_short" else f"at most {ctx['max_length']}"
+            problems.append((path, f"expected {count} item(s), got {ctx['actual_length']}"))
+        elif kind == "missing":  # every field has a default: an item a fixed-length tuple lacks
+            problems.append((path, "missing"))
+        elif kind == "float_type" and type(error["input"]) is int:  # an integer too large for a float
+            problems.append((path, f"expected a finite number, got {_short(error['input'])}"))
+        elif kind in _BOUND_ERRORS:
+            bounds = _bounds(cls, error["loc"]) or error["ctx"]
+            problems.append((path, f"must be {_range(bounds)}, got {_short(error['input'])}"))
+        else:  # "Input should be a valid integer" -> "expected a valid integer, got True"
+            what = re.sub(r"^Input should be ", "expected ", error["msg"])
+            problems.append((path, f"{what}, got {_short(error['input'])}"))
+    return problems
+
+
+def _model_at(cls: type[BaseModel], loc: tuple[int | str, ...]) -> type[BaseModel] | None:
+    """The config class of the value at `loc` inside a `cls` (through nested configs, lists and dicts), if any."""
+    tp: Any = cls
+    for part in loc:
+        if isinstance(tp, type) and issubclass(tp, BaseModel) and part in tp.model_fields:
+            tp = tp.model_fields[part].annotation
+        elif get_origin(tp) in (list, dict):
+            tp = get_args(tp)[-1]  # list[X] -> X, dict[K, X] -> X
+        else:
             return None
-        errors = []
-        for option in options:
-            if option is type(None):
-                continue
-            try:
-                return _check_value(path, option, value)
-            except ValueError as err:
-                errors.append(str(err))
-        raise ValueError(errors[0] if len(errors) == 1 else f"{path}: {value!r} matches none of {tp}")
-    if origin is Literal:
-        if value not in get_args(tp):
-            allowed = ", ".join(repr(a) for a in get_args(tp))
-            raise ValueError(f"{path}: {value!r} is not one of {allowed}")
-        return value
-    if origin in (tuple, list):
-        if not isinstance(value, (list, tuple)):
-            raise ValueError(f"{path}: expected a list, got {type(value).__name__}")
-        args = get_args(tp)
-        if origin is tuple and args and args[-1] is not Ellipsis:  # tuple[X, Y]: exactly that many items
-            if len(value) != len(args):
-                raise ValueError(f"{path}: expected {len(args)} items, got {len(value)}")
-            return tuple(_check_value(f"{path}[{i}]", t, v) for i, (t, v) in enumerate(zip(args, value)))
-        item_tp = args[0] if args else Any
-        items = [_check_value(f"{path}[{i}]", item_tp, v) for i, v in enumerate(value)]
-        return tuple(items) if origin is tuple else items
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ValueError(f"{path}: expected a mapping, got {type(value).__name__}")
-        key_tp, item_tp = get_args(tp) or (Any, Any)
-        return {_check_value(f"{path} (a key)", key_tp, k): _check_value(f"{path}.{k}", item_tp, v)
-                for k, v in value.items()}
-    if isinstance(tp, type) and issubclass(tp, Config):
-        if isinstance(value, tp):
-            return value
-        if not isinstance(value, dict):
-            raise ValueError(f"{path}: expected a mapping for {tp.__name__}, got {type(value).__name__}")
-        return tp.from_dict(value, _path=path)
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ValueError(f"{path}: expected true/false, got {value!r}")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"{path}: expected an integer, got {value!r}")
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(f"{path}: expected a number, got {value!r}")
-        _check_finite(path, value)
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise ValueError(f"{path}: expected a string, got {value!r}")
-        return value
-    return value
+        if get_origin(tp) in (Union, types.UnionType):  # Optional[X] -> X
+            tp = next(arg for arg in get_args(tp) if arg is not type(None))
+    return tp if isinstance(tp, type) and issubclass(tp, BaseModel) else None
 
 
-def _check_finite(path: str, value: float) -> None:
-    """No field means anything by NaN or infinity (`None` is how a field says "no limit"), and NaN slips past
-    range checks such as `x <= 0` in `validate`: every comparison with it is false."""
-    try:
-        finite = math.isfinite(value)
-    except OverflowError:  # an integer beyond the float range
-        finite = False
-    if not finite:
-        raise ValueError(f"{path}: expected a finite number, got {value!r}")
+def _bounds(cls: type[BaseModel], loc: tuple[int | str, ...]) -> dict[str, Any]:
+    """The bounds of the field at `loc` as its `Field(...)` writes them (pydantic's errors show `gt=1` as 1.0)."""
+    owner = _model_at(cls, loc[:-1])
+    field = owner.model_fields.get(loc[-1]) if owner and isinstance(loc[-1], str) else None
+    return {name: getattr(m, name) for m in (field.metadata if field else []) for name in _BOUNDS
+            if getattr(m, name, None) is not None}
 
 
-@dataclasses.dataclass
-class Config:
-    """Base class: strict `from_dict`/`to_dict`/YAML round trip plus a `validate` hook."""
+def _range(bounds: dict[str, Any]) -> str:
+    """`in [0, 1)` where a field is bounded on both sides, so that the error shows the whole range; else `> 0`."""
+    low, high = bounds.get("ge", bounds.get("gt")), bounds.get("le", bounds.get("lt"))
+    if low is not None and high is not None:
+        return f"in {'[' if 'ge' in bounds else '('}{low}, {high}{']' if 'le' in bounds else ')'}"
+    name, value = next(iter(bounds.items()))
+    return f"{_BOUNDS[name]} {value}"
 
-    def __post_init__(self) -> None:
-        # `from_dict` checked the floats already, naming their full path; this covers direct construction.
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            if isinstance(value, float):
-                _check_finite(field.name, value)
-        self.validate()
 
-    def validate(self) -> None:
-        """Subclasses check ranges and cross-field rules here, raising ValueError naming the field."""
+_UNSET = object()
+
+
+class Config(BaseModel):
+    """Base class: strict validation (on construction and on assignment), `from_dict`/`to_dict`, YAML round trip."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, validate_assignment=True)
+
+    def __init__(self, /, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as err:
+            raise ConfigError(_problems(err, type(self))) from None
+
+    # Pydantic would call an __init__ of ours for every nested config (`model: {dim: 8}`), each raising ConfigError
+    # and losing the nested paths; marked as its own __init__, it builds nested configs itself and reports every
+    # problem with its full path (`model.dim`). tests/test_config.py holds this to the nested paths.
+    __init__.__pydantic_base_init__ = True  # type: ignore[attr-defined]
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # validate_assignment checks the value, then re-runs the model validators with it already stored: where one
+        # of those refuses it, the old value is put back, so that a refused assignment changes nothing.
+        old = self.__dict__.get(name, _UNSET)
+        try:
+            super().__setattr__(name, value)
+        except ValidationError as err:
+            if old is not _UNSET:
+                self.__dict__[name] = old
+            raise ConfigError(_problems(err, type(self))) from None
 
     @classmethod
     def from_dict(cls: type[C], data: dict[str, Any], _path: str = "") -> C:
+        """`data` checked into a `cls`; `_path` is put in front of the paths in errors (where `data` came from)."""
         if not isinstance(data, dict):
-            raise ValueError(f"{_path or cls.__name__}: expected a mapping, got {type(data).__name__}")
-        hints = typing.get_type_hints(cls)
-        names = {f.name for f in dataclasses.fields(cls) if f.init}
-        unknown = sorted(set(data) - names)
-        if unknown:
-            where = f"{_path}." if _path else ""
-            raise ValueError(
-                f"unknown field(s) {', '.join(where + u for u in unknown)} for {cls.__name__}; "
-                f"valid fields: {', '.join(sorted(names))}"
-            )
-        kwargs = {}
-        for key, value in data.items():
-            field_path = f"{_path}.{key}" if _path else key
-            kwargs[key] = _check_value(field_path, hints[key], value)
-        return cls(**kwargs)
+            raise ConfigError([(_path, f"expected a mapping for {cls.__name__}, got {type(data).__name__}")])
+        try:
+            return cls.model_validate(data)
+        except ValidationError as err:
+            raise ConfigError(_problems(err, cls)).under(_path) from None
 
     def to_dict(self) -> dict[str, Any]:
-        def convert(value: Any) -> Any:
-            if isinstance(value, Config):
-                return value.to_dict()
-            if isinstance(value, (list, tuple)):
-                return [convert(v) for v in value]
-            if isinstance(value, dict):
-                return {k: convert(v) for k, v in value.items()}
-            return value
-
-        return {f.name: convert(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        """Plain YAML/JSON types (tuples become lists), every field, in declaration order."""
+        return self.model_dump(mode="json")
 
     def replace(self: C, **changes: Any) -> C:
         return type(self).from_dict({**self.to_dict(), **changes})

@@ -17,18 +17,19 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Literal, Optional
 
-from ..config import Config, read_yaml_mapping, shipped_configs
-from ..models.config import VARIANTS
+from pydantic import Field, NonNegativeInt, PositiveFloat, PositiveInt, model_validator
+
+from ..config import Config, FromList, read_yaml_mapping, shipped_configs
+from ..models.config import VARIANTS, TitansConfig, Variant
 from ..train.config import RUN_NAME, TrainConfig, load_train_config
 
 
-@dataclasses.dataclass
 class TaskAxis(Config):
     """One task of the grid: a registered task with its options, its x value when `x_axis` is `task`, and its own
     training length where it needs one (a data set of fixed-length series) instead of the experiment's."""
 
     name: str = "passkey"
-    options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    options: dict[str, Any] = Field(default_factory=dict)
     x: Optional[float] = None
     train_length: Optional[int] = None
 
@@ -37,88 +38,65 @@ class TaskAxis(Config):
             raise ValueError(f"a task's train_length must be >= 1 (or left out), got {self.train_length}")
 
 
-@dataclasses.dataclass
 class CapacityGrid(Config):
     """The memory alone at test time: every (memory depth, expansion, chunk size) is written one capacity sequence
     per pair count and read back (`measure.capacity_point`)."""
 
-    dim: int = 64
-    memory_depths: list[int] = dataclasses.field(default_factory=lambda: [1, 2, 3, 4])
-    expansions: list[int] = dataclasses.field(default_factory=lambda: [1, 2, 4])
-    chunk_sizes: list[int] = dataclasses.field(default_factory=lambda: [1, 16])
-    pair_counts: list[int] = dataclasses.field(default_factory=lambda: [8, 16, 32, 64, 128, 256])
-    thetas: list[float] = dataclasses.field(default_factory=lambda: [0.1, 0.3, 1.0, 3.0, 10.0, 30.0])  # best kept
-    threshold: float = 0.9  # capacity: the most pairs recalled at least this often
-    batch_size: int = 16
-
-    def validate(self) -> None:
-        for name in ("memory_depths", "expansions", "chunk_sizes", "pair_counts"):
-            if not getattr(self, name) or min(getattr(self, name)) < 1:
-                raise ValueError(f"capacity.{name} must be a non-empty list of integers >= 1")
-        if not self.thetas or min(self.thetas) <= 0:
-            raise ValueError(f"capacity.thetas must be a non-empty list of positive learning rates, got {self.thetas}")
-        if not 0 < self.threshold <= 1:
-            raise ValueError(f"capacity.threshold must be in (0, 1], got {self.threshold}")
-        if self.dim < 2 or self.batch_size < 1:
-            raise ValueError("capacity.dim must be >= 2 and capacity.batch_size >= 1")
+    dim: int = Field(64, ge=2)
+    memory_depths: list[PositiveInt] = Field(default_factory=lambda: [1, 2, 3, 4], min_length=1)
+    expansions: list[PositiveInt] = Field(default_factory=lambda: [1, 2, 4], min_length=1)
+    chunk_sizes: list[PositiveInt] = Field(default_factory=lambda: [1, 16], min_length=1)
+    pair_counts: list[PositiveInt] = Field(default_factory=lambda: [8, 16, 32, 64, 128, 256], min_length=1)
+    # inner learning rates tried; the best is kept
+    thetas: list[PositiveFloat] = Field(default_factory=lambda: [0.1, 0.3, 1.0, 3.0, 10.0, 30.0], min_length=1)
+    threshold: float = Field(0.9, gt=0, le=1)  # capacity: the most pairs recalled at least this often
+    batch_size: int = Field(16, ge=1)
 
 
-@dataclasses.dataclass
 class EfficiencyGrid(Config):
     """Training tokens/s and peak memory of one forward+backward step, and generation tokens/s after a prompt,
     per variant and sequence length, each point in its own process (`measure.efficiency_point`)."""
 
-    lengths: list[int] = dataclasses.field(default_factory=lambda: [1024, 2048, 4096, 8192, 16384])
-    batch_size: int = 1
-    repeats: int = 2  # timed steps per point (the best is kept)
-    generate_tokens: int = 64  # tokens generated one at a time after a prompt of each length
+    lengths: list[PositiveInt] = Field(default_factory=lambda: [1024, 2048, 4096, 8192, 16384], min_length=1)
+    batch_size: int = Field(1, ge=1)
+    repeats: int = Field(2, ge=1)  # timed steps per point (the best is kept)
+    generate_tokens: int = Field(64, ge=1)  # tokens generated one at a time after a prompt of each length
     reference: bool = True  # also titans-pytorch's MemoryAsContextTransformer where installed
     threads: Optional[int] = None  # torch threads per point; None: torch's default (every core: run nothing beside)
-    timeout_s: float = 900.0
-    memory_cap_gib: float = 16.0
-
-    def validate(self) -> None:
-        if not self.lengths or min(self.lengths) < 1:
-            raise ValueError(f"efficiency.lengths must be a non-empty list of positive lengths, got {self.lengths}")
-        for name in ("batch_size", "repeats", "generate_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"efficiency.{name} must be >= 1, got {getattr(self, name)}")
-        if self.timeout_s <= 0 or self.memory_cap_gib <= 0:
-            raise ValueError("efficiency.timeout_s and efficiency.memory_cap_gib must be > 0")
+    timeout_s: float = Field(900.0, gt=0)
+    memory_cap_gib: float = Field(16.0, gt=0)
 
 
-@dataclasses.dataclass
 class Published(Config):
     """Figures someone else published for the same experiment, shown beside ours (never mixed into our results)."""
 
     source: str = ""  # who published them, where
-    values: dict[str, float] = dataclasses.field(default_factory=dict)  # our row's label -> their figure
+    values: dict[str, float] = Field(default_factory=dict)  # our row's label -> their figure
     setting: Optional[str] = None  # the column of ours they compare with; None: the last of the first panel
 
-    def validate(self) -> None:
+    @model_validator(mode="after")
+    def check_rules(self) -> Published:
         if self.values and not self.source:
             raise ValueError("published.source must say where the published values come from")
+        return self
 
 
-@dataclasses.dataclass
 class HeatMap(Config):
     """The figure as a heat map over two model settings of the rows (e.g. constant θ and η), instead of lines."""
 
     x: str = ""  # a TitansConfig field, e.g. memory_init_theta
     y: str = ""
 
-    def validate(self) -> None:
-        from ..models.config import TitansConfig
-
-        fields = {f.name for f in dataclasses.fields(TitansConfig)}
+    @model_validator(mode="after")
+    def check_rules(self) -> HeatMap:
         for axis in (self.x, self.y):
-            if axis and axis not in fields:
+            if axis and axis not in TitansConfig.model_fields:
                 raise ValueError(f"heatmap axes must be model fields (TitansConfig), got {axis!r}")
         if bool(self.x) != bool(self.y):
             raise ValueError("heatmap needs both x and y (or neither)")
+        return self
 
 
-@dataclasses.dataclass
 class Experiment(Config):
     name: str = ""
     title: str = ""
@@ -127,33 +105,33 @@ class Experiment(Config):
     kind: Literal["train", "capacity", "efficiency"] = "train"
     metric: str = "accuracy"  # train: the evaluation metric reported (`titans.train.evaluate`'s keys)
     higher_is_better: bool = True
-    variants: list[str] = dataclasses.field(default_factory=lambda: list(VARIANTS))
+    variants: list[Variant] = Field(default_factory=lambda: list(VARIANTS), min_length=1)
     # label -> model changes naming their variant: rows beside the variants (a variant with another memory, say)
-    extra_models: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
-    sizes: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)  # label -> changes to `base`
-    tasks: dict[str, TaskAxis] = dataclasses.field(default_factory=dict)  # label -> task
+    extra_models: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    sizes: dict[str, dict[str, Any]] = Field(default_factory=dict)  # label -> changes to `base`
+    tasks: dict[str, TaskAxis] = Field(default_factory=dict)  # label -> task
     x_axis: Literal["length", "task"] = "length"
     x_label: str = "context length (tokens)"
-    train_length: int = 256
-    eval_multiples: list[int] = dataclasses.field(default_factory=lambda: [1])
-    seeds: list[int] = dataclasses.field(default_factory=lambda: [0])
-    base: dict[str, Any] = dataclasses.field(default_factory=dict)  # TrainConfig fields shared by every run
-    variant_overrides: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)  # variant -> changes
-    time_budget_s: Optional[float] = None  # per run: training stops (and evaluates) once it took this long
-    stream_piece: Optional[int] = None  # evaluate through the recurrent state in pieces of this many tokens
-    capacity: CapacityGrid = dataclasses.field(default_factory=CapacityGrid)
-    efficiency: EfficiencyGrid = dataclasses.field(default_factory=EfficiencyGrid)
-    compare: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (model, against): ratios reported
-    published: Published = dataclasses.field(default_factory=Published)
-    heatmap: HeatMap = dataclasses.field(default_factory=HeatMap)
-    quick: dict[str, Any] = dataclasses.field(default_factory=dict)  # changes for the test suite's tier
+    train_length: int = Field(256, ge=1)
+    eval_multiples: list[PositiveInt] = Field(default_factory=lambda: [1], min_length=1)
+    seeds: list[NonNegativeInt] = Field(default_factory=lambda: [0], min_length=1)  # distinct
+    base: dict[str, Any] = Field(default_factory=dict)  # TrainConfig fields shared by every run
+    variant_overrides: dict[str, dict[str, Any]] = Field(default_factory=dict)  # variant -> changes
+    # per run: training stops (and evaluates) once it took this long
+    time_budget_s: Optional[float] = Field(None, gt=0)
+    # evaluate through the recurrent state in pieces of this many tokens
+    stream_piece: Optional[int] = Field(None, ge=1)
+    capacity: CapacityGrid = Field(default_factory=CapacityGrid)
+    efficiency: EfficiencyGrid = Field(default_factory=EfficiencyGrid)
+    compare: list[FromList[tuple[str, str]]] = Field(default_factory=list)  # (model, against): ratios reported
+    published: Published = Field(default_factory=Published)
+    heatmap: HeatMap = Field(default_factory=HeatMap)
+    quick: dict[str, Any] = Field(default_factory=dict)  # changes for the test suite's tier
 
-    def validate(self) -> None:
+    @model_validator(mode="after")
+    def check_rules(self) -> Experiment:
         if not RUN_NAME.fullmatch(self.name):
             raise ValueError(f"experiment name must be letters, digits, '-', '_' and '.', got {self.name!r}")
-        unknown = sorted(set(self.variants) - set(VARIANTS))
-        if unknown or not self.variants:
-            raise ValueError(f"variants must be a non-empty list from {', '.join(VARIANTS)}; unknown: {unknown}")
         for label, changes in self.extra_models.items():
             if label in VARIANTS or not RUN_NAME.fullmatch(label.replace(" ", "-")):
                 raise ValueError(f"extra_models: {label!r} must be a new row label (letters, digits, spaces, '-', "
@@ -169,19 +147,14 @@ class Experiment(Config):
             raise ValueError(f"variant_overrides names variants not in the grid: "
                              f"{sorted(set(self.variant_overrides) - set(self.variants))}")
         if self.kind != "train":
-            return
+            return self
         if not self.tasks:
             raise ValueError("a train experiment needs at least one task")
         if self.x_axis == "task" and any(t.x is None for t in self.tasks.values()):
             raise ValueError("x_axis: task needs an `x` value on every task")
-        if self.train_length < 1 or not self.eval_multiples or min(self.eval_multiples) < 1:
-            raise ValueError("train_length and eval_multiples must be positive")
-        if not self.seeds or len(set(self.seeds)) != len(self.seeds) or min(self.seeds) < 0:
-            raise ValueError(f"seeds must be distinct non-negative integers, got {self.seeds}")
-        if self.time_budget_s is not None and self.time_budget_s <= 0:
-            raise ValueError(f"time_budget_s must be > 0 (or null), got {self.time_budget_s}")
-        if self.stream_piece is not None and self.stream_piece < 1:
-            raise ValueError(f"stream_piece must be >= 1 (or null), got {self.stream_piece}")
+        if len(set(self.seeds)) != len(self.seeds):
+            raise ValueError(f"seeds must be distinct, got {self.seeds}")
+        return self
 
     @property
     def eval_lengths(self) -> list[int]:

@@ -13,9 +13,10 @@ whole sequence `context + question + answer` is exactly `length` bytes; only the
 
 from __future__ import annotations
 
-import dataclasses
+from typing import Literal
 
 import torch
+from pydantic import Field
 
 from .base import Task, TaskOptions, TokenBatch, answer_targets, register
 from .text import generated_text, pick, tail, to_tokens
@@ -33,16 +34,10 @@ def longest(items: list[str]) -> str:
     return max(items, key=len)
 
 
-@dataclasses.dataclass
 class BabilongOptions(TaskOptions):
-    qa: int = 1  # 1, 2, 3: single, two, three supporting facts
-    num_facts: int = 6  # facts in the story (qa2 and qa3 add one opening move per person, and up to two closing facts)
-
-    def validate(self) -> None:
-        if self.qa not in (1, 2, 3):
-            raise ValueError(f"qa must be 1, 2 or 3, got {self.qa}")
-        if self.num_facts < 1:
-            raise ValueError(f"num_facts must be >= 1, got {self.num_facts}")
+    qa: Literal[1, 2, 3] = 1  # single, two, three supporting facts
+    # facts in the story (qa2 and qa3 add one opening move per person, and up to two closing facts)
+    num_facts: int = Field(6, ge=1)
 
 
 def move(person: str, room: str, g: torch.Generator) -> str:

@@ -2,16 +2,16 @@
 
 Token tasks follow the next-token convention: `targets[b, t]` is what the model must output at
 position t (the token that comes at t + 1), or IGNORE_INDEX (-100) where nothing is scored.
-Each task is built from a strict options dataclass, so a typo in a YAML file is an error, and the
+Each task is built from strict options (a `Config`), so a typo in a YAML file is an error, and the
 options are read-only once built, so a task never changes under a running sampler.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, ClassVar, NamedTuple, Optional, Union
 
 import torch
+from pydantic import ConfigDict
 from torch import Tensor
 
 from ..config import Config
@@ -85,14 +85,10 @@ def random_windows(data: Tensor, batch_size: int, width: int, generator: torch.G
     return data[starts + torch.arange(width)]
 
 
-@dataclasses.dataclass
 class TaskOptions(Config):
     """Base of every task's options: strict loading from `Config`, read-only after construction."""
 
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in self.__dict__:
-            raise dataclasses.FrozenInstanceError(f"cannot assign to field {name!r}: task options are read-only")
-        super().__setattr__(name, value)
+    model_config = ConfigDict(frozen=True)
 
 
 class Task:
@@ -141,12 +137,11 @@ class Task:
         """The task to evaluate on. Tasks read from data (their options have a `split`) give the same task on
         `split` (default "val"); generated tasks give themselves, their evaluation sequences coming from seeds
         that training never draws."""
-        fields = {f.name: f for f in dataclasses.fields(self.options)}
-        if "split" not in fields:
+        if "split" not in type(self.options).model_fields:
             if split is not None:
                 raise ValueError(f"split: task {self.name} generates its data and has no splits, got {split!r}")
             return self
-        values = dataclasses.asdict(self.options)
+        values = self.options.to_dict()
         values["split"] = "val" if split is None else split
         return get_task(self.name, **values)
 

@@ -8,23 +8,15 @@ first n - 1 answer positions, whose targets are the n data tokens.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
+from pydantic import Field
 
 from .base import Task, TaskOptions, TokenBatch, answer_targets, register
 
 
-@dataclasses.dataclass
 class CopyOptions(TaskOptions):
-    vocab: int = 16  # BLANK (0), DELIM (1), data tokens 2 .. vocab - 1
-    num_tokens: int = 8  # data tokens to copy
-
-    def validate(self) -> None:
-        if self.vocab < 3:
-            raise ValueError(f"vocab must be >= 3 (BLANK, DELIM and a data token), got {self.vocab}")
-        if self.num_tokens < 1:
-            raise ValueError(f"num_tokens must be >= 1, got {self.num_tokens}")
+    vocab: int = Field(16, ge=3)  # BLANK (0), DELIM (1), data tokens 2 .. vocab - 1: at least one data token
+    num_tokens: int = Field(8, ge=1)  # data tokens to copy
 
 
 class _Copying(Task):

@@ -7,33 +7,28 @@ position (one-step-ahead forecasting at every time step; a causal model is score
 from __future__ import annotations
 
 import csv
-import dataclasses
 import math
 from pathlib import Path
 from typing import Literal, Optional
 
 import torch
+from pydantic import Field, model_validator
 
 from .base import SeriesBatch, Task, TaskOptions, random_windows, register
 
 
-@dataclasses.dataclass
 class SineOptions(TaskOptions):
-    num_features: int = 4
-    num_components: int = 3  # sines summed per feature
-    noise: float = 0.05  # std of the added gaussian noise
-    min_period: float = 8.0  # periods (in steps) are drawn uniformly in [min_period, max_period]
+    num_features: int = Field(4, ge=1)
+    num_components: int = Field(3, ge=1)  # sines summed per feature
+    noise: float = Field(0.05, ge=0)  # std of the added gaussian noise
+    min_period: float = Field(8.0, ge=2)  # periods (in steps) are drawn uniformly in [min_period, max_period]
     max_period: float = 64.0
 
-    def validate(self) -> None:
-        if self.num_features < 1:
-            raise ValueError(f"num_features must be >= 1, got {self.num_features}")
-        if self.num_components < 1:
-            raise ValueError(f"num_components must be >= 1, got {self.num_components}")
-        if self.noise < 0:
-            raise ValueError(f"noise must be >= 0, got {self.noise}")
-        if not 2 <= self.min_period <= self.max_period:
-            raise ValueError(f"min_period ({self.min_period}) must be >= 2 and <= max_period ({self.max_period})")
+    @model_validator(mode="after")
+    def check_rules(self) -> SineOptions:
+        if self.min_period > self.max_period:
+            raise ValueError(f"min_period ({self.min_period}) must be <= max_period ({self.max_period})")
+        return self
 
 
 @register
@@ -65,17 +60,17 @@ TIME_COLUMNS = {"date", "time", "timestamp", "datetime", "ds"}
 SPLIT_ENDS = {"train": (0.0, 0.7), "val": (0.7, 0.8), "test": (0.8, 1.0)}  # fractions of the rows, in time order
 
 
-@dataclasses.dataclass
 class CsvOptions(TaskOptions):
-    path: str = ""
-    columns: Optional[list[str]] = None  # numeric columns to use; None = every numeric non-timestamp column
+    path: str = ""  # the CSV file (required: the default is refused)
+    # numeric columns to use (at least one); None = every numeric non-timestamp column
+    columns: Optional[list[str]] = Field(None, min_length=1)
     split: Literal["train", "val", "test"] = "train"
 
-    def validate(self) -> None:
+    @model_validator(mode="after")
+    def check_rules(self) -> CsvOptions:
         if not self.path:
             raise ValueError("path must name a CSV file")
-        if self.columns is not None and not self.columns:
-            raise ValueError("columns must name at least one column (or be left out for all numeric ones)")
+        return self
 
 
 def read_numeric_csv(path: Path, columns: Optional[list[str]]) -> tuple[list[str], torch.Tensor]:

@@ -12,7 +12,6 @@ CPython 3.11's library). Validation bits per byte are therefore slightly optimis
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import math
 import sysconfig
@@ -21,6 +20,7 @@ from pathlib import Path, PurePath
 from typing import Literal
 
 import torch
+from pydantic import Field, model_validator
 
 from .base import Task, TaskOptions, TokenBatch, random_windows, register
 
@@ -35,14 +35,14 @@ def stdlib_root() -> str:
     return sysconfig.get_paths()["stdlib"]
 
 
-@dataclasses.dataclass
 class LmOptions(TaskOptions):
     root: str = ""  # directory of text files; empty = the Python standard library
     pattern: str = "*.py"  # glob of the files to use, searched recursively
     split: Literal["train", "val"] = "train"
-    val_fraction: float = 0.1
+    val_fraction: float = Field(0.1, gt=0, lt=1)
 
-    def validate(self) -> None:
+    @model_validator(mode="after")
+    def check_rules(self) -> LmOptions:
         if self.root and not Path(self.root).is_dir():
             raise ValueError(f"root {self.root!r} is not a directory")
         if not self.pattern:
@@ -55,8 +55,7 @@ class LmOptions(TaskOptions):
                              "or 'pkg/*.py' (set root to search another directory)")
         if any("**" in part and part != "**" for part in pattern.parts):
             raise ValueError(f"pattern {self.pattern!r}: '**' must be a whole path component, such as '**/*.py'")
-        if not 0 < self.val_fraction < 1:
-            raise ValueError(f"val_fraction must be in (0, 1), got {self.val_fraction}")
+        return self
 
 
 def file_split(relative_path: str, val_fraction: float) -> Literal["train", "val"]:

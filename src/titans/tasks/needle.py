@@ -11,36 +11,29 @@ The synthetic `passkey` task is the cheap form our CPU demo trains on: noise tok
 
 from __future__ import annotations
 
-import dataclasses
-from typing import ClassVar, Optional
+from typing import Annotated, ClassVar, Optional
 
 import torch
+from pydantic import Field, model_validator
 
 from .base import Task, TaskOptions, TokenBatch, answer_targets, register
 from .text import WORDS, generated_text, insert_at_sentence, pick, repeated_text, tail, to_tokens
 
-
-def check_depth(depth: Optional[float]) -> None:
-    if depth is not None and not 0 <= depth <= 1:
-        raise ValueError(f"depth must be in [0, 1] (or None for uniform), got {depth}")
+Depth = Optional[Annotated[float, Field(ge=0, le=1)]]  # fixed needle depth in [0, 1]; None = uniform
 
 
-@dataclasses.dataclass
 class PasskeyOptions(TaskOptions):
     vocab: int = 64  # total vocabulary: KEY, QUERY, num_values value tokens, the rest noise tokens
-    num_values: int = 16  # value tokens (chance accuracy per value token 1 / num_values)
-    value_len: int = 1  # tokens in the needle's value
-    depth: Optional[float] = None  # fixed needle depth in [0, 1]; None = uniform
+    num_values: int = Field(16, ge=2)  # value tokens (chance accuracy per value token 1 / num_values)
+    value_len: int = Field(1, ge=1)  # tokens in the needle's value
+    depth: Depth = None
 
-    def validate(self) -> None:
-        if self.num_values < 2:
-            raise ValueError(f"num_values must be >= 2, got {self.num_values}")
+    @model_validator(mode="after")
+    def check_rules(self) -> PasskeyOptions:
         if self.vocab < self.num_values + 3:
             raise ValueError(f"vocab ({self.vocab}) must exceed num_values + 2 markers ({self.num_values + 2}) "
                              "to leave at least one noise token")
-        if self.value_len < 1:
-            raise ValueError(f"value_len must be >= 1, got {self.value_len}")
-        check_depth(self.depth)
+        return self
 
 
 @register
@@ -80,15 +73,10 @@ class Passkey(Task):
         return TokenBatch(inputs, answer_targets(inputs, m))
 
 
-@dataclasses.dataclass
 class NiahOptions(TaskOptions):
-    depth: Optional[float] = None  # fixed needle depth in [0, 1]; None = uniform
-    digits: int = 7  # length of the pass key / magic number (RULER uses 7-digit numbers); niah_word: unused
-
-    def validate(self) -> None:
-        check_depth(self.depth)
-        if not 1 <= self.digits <= 20:
-            raise ValueError(f"digits must be in [1, 20], got {self.digits}")
+    depth: Depth = None
+    # length of the pass key / magic number (RULER uses 7-digit numbers); niah_word: unused
+    digits: int = Field(7, ge=1, le=20)
 
 
 class TextNeedle(Task):

@@ -3,18 +3,16 @@ noise, and capacity."""
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Callable, NamedTuple
 
 import torch
+from pydantic import Field, model_validator
 
 from .base import IGNORE_INDEX, Task, TaskOptions, TokenBatch, answer_targets, distinct_tokens, register, token_accuracy
 
 
 def check_pairs(num_pairs: int, vocab: int, specials: int) -> None:
     """Keys and values come from disjoint halves of the non-special tokens, each needing num_pairs."""
-    if num_pairs < 1:
-        raise ValueError(f"num_pairs must be >= 1, got {num_pairs}")
     if (vocab - specials) // 2 < num_pairs:
         raise ValueError(f"vocab ({vocab}) must hold {specials} special token(s) plus num_pairs ({num_pairs}) "
                          f"distinct keys and as many values: at least {specials + 2 * num_pairs}")
@@ -26,16 +24,16 @@ def key_value_ranges(vocab: int, specials: int) -> tuple[tuple[int, int], tuple[
     return (specials, specials + half), (specials + half, vocab)
 
 
-@dataclasses.dataclass
 class MqarOptions(TaskOptions):
     vocab: int = 256  # token 0 is the filler; keys from the lower half of the rest, values from the upper
-    num_pairs: int = 8
-    power_a: float = 0.01  # query slot s = 1, 2, ... has probability ∝ s^(power_a - 1) (Zoology's default)
+    num_pairs: int = Field(8, ge=1)
+    # query slot s = 1, 2, ... has probability ∝ s^(power_a - 1) (Zoology's default)
+    power_a: float = Field(0.01, gt=0, le=1)
 
-    def validate(self) -> None:
+    @model_validator(mode="after")
+    def check_rules(self) -> MqarOptions:
         check_pairs(self.num_pairs, self.vocab, specials=1)
-        if not 0 < self.power_a <= 1:
-            raise ValueError(f"power_a must be in (0, 1], got {self.power_a}")
+        return self
 
 
 @register
@@ -81,24 +79,21 @@ class Mqar(Task):
         return TokenBatch(inputs, targets)
 
 
-@dataclasses.dataclass
 class KvRecallOptions(TaskOptions):
     vocab: int = 64  # keys, then values, then noise tokens (at least one)
-    num_pairs: int = 4  # pairs shown before the noise
+    num_pairs: int = Field(4, ge=1)  # pairs shown before the noise
     num_keys: int = 16  # key tokens (each row's keys are distinct)
-    num_values: int = 16  # value tokens (chance accuracy 1 / num_values)
+    num_values: int = Field(16, ge=2)  # value tokens (chance accuracy 1 / num_values)
 
-    def validate(self) -> None:
-        if self.num_pairs < 1:
-            raise ValueError(f"num_pairs must be >= 1, got {self.num_pairs}")
+    @model_validator(mode="after")
+    def check_rules(self) -> KvRecallOptions:
         if self.num_keys < self.num_pairs:
             raise ValueError(f"num_keys ({self.num_keys}) must be >= num_pairs ({self.num_pairs}): a row's keys "
                              "are distinct")
-        if self.num_values < 2:
-            raise ValueError(f"num_values must be >= 2, got {self.num_values}")
         if self.vocab <= self.num_keys + self.num_values:
             raise ValueError(f"vocab ({self.vocab}) must exceed num_keys + num_values "
                              f"({self.num_keys + self.num_values}) to leave at least one noise token")
+        return self
 
 
 @register
@@ -135,13 +130,14 @@ class KvRecall(Task):
         return TokenBatch(inputs, answer_targets(inputs, 1))
 
 
-@dataclasses.dataclass
 class CapacityOptions(TaskOptions):
     vocab: int = 512  # FILLER, SEP, then keys (lower half of the rest) and values (upper half)
-    num_pairs: int = 16
+    num_pairs: int = Field(16, ge=1)
 
-    def validate(self) -> None:
+    @model_validator(mode="after")
+    def check_rules(self) -> CapacityOptions:
         check_pairs(self.num_pairs, self.vocab, specials=2)
+        return self
 
 
 @register

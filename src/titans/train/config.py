@@ -1,19 +1,20 @@
 """`TrainConfig`: model + task + optimiser + loop settings, one YAML file per run.
 
-Everything goes through `titans.config.Config` (strict: an unknown field or a wrong type is a
-ValueError naming it). `load_train_config` reads a YAML file, applies `a.b=value` overrides, builds
-the task once to check its name and options, and fills `model.vocab_size` from the task when the
-file leaves it out.
+Everything goes through `titans.config.Config` (strict: an unknown field, a wrong type or a value out
+of its field's bounds is a ValueError naming its path, `optim.lr`). `load_train_config` reads a YAML
+file, applies `a.b=value` overrides, builds the task once to check its name and options, and fills
+`model.vocab_size` from the task when the file leaves it out.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional
 
-from ..config import Config, apply_overrides, read_yaml_mapping
+from pydantic import Field, PositiveInt, model_validator
+
+from ..config import Config, FromList, apply_overrides, read_yaml_mapping
 from ..models.config import TitansConfig
 from ..tasks import Task, get_task
 
@@ -32,101 +33,64 @@ RUN_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*")
 MAX_SEED = 2**63 - 1  # a signed 64-bit integer: torch.manual_seed and derive_seed (64-bit parts) take it as it is
 # torch.set_num_threads crashes the process (segfault) on huge counts; no machine has more cores than this.
 MAX_THREADS = 1024
+Beta = Annotated[float, Field(ge=0, lt=1)]  # an Adam decay rate
 
 
-@dataclasses.dataclass
 class TaskConfig(Config):
     """Which task to train on (`titans.tasks.get_task(name, **options)`) and at which lengths."""
 
     name: str = "passkey"
-    options: dict[str, Any] = dataclasses.field(default_factory=dict)
-    train_length: int = 256
-    eval_lengths: list[int] = dataclasses.field(default_factory=lambda: [256, 512, 1024, 2048])
-
-    def validate(self) -> None:
-        if self.train_length < 1:
-            raise ValueError(f"task.train_length must be >= 1, got {self.train_length}")
-        if not self.eval_lengths or any(n < 1 for n in self.eval_lengths):
-            raise ValueError(f"task.eval_lengths must be a non-empty list of positive lengths, got {self.eval_lengths}")
+    options: dict[str, Any] = Field(default_factory=dict)
+    train_length: int = Field(256, ge=1)
+    eval_lengths: list[PositiveInt] = Field(default_factory=lambda: [256, 512, 1024, 2048], min_length=1)
 
 
-@dataclasses.dataclass
 class OptimConfig(Config):
     """AdamW with linear warmup then cosine decay to `lr * min_lr_ratio` at the last step."""
 
-    lr: float = 1e-3
-    weight_decay: float = 0.1  # on the matrices of linear/LSTM layers only (see loop.make_optimizer)
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-    warmup_steps: int = 50
-    min_lr_ratio: float = 0.1
-    grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
-    grad_accum: int = 1  # micro-batches per step (the global batch is split into this many)
-
-    def validate(self) -> None:
-        if self.lr <= 0:
-            raise ValueError(f"optim.lr must be > 0, got {self.lr}")
-        if self.weight_decay < 0:
-            raise ValueError(f"optim.weight_decay must be >= 0, got {self.weight_decay}")
-        if not all(0 <= b < 1 for b in self.betas):
-            raise ValueError(f"optim.betas must lie in [0, 1), got {self.betas}")
-        if self.eps <= 0:
-            raise ValueError(f"optim.eps must be > 0, got {self.eps}")
-        if self.warmup_steps < 0:
-            raise ValueError(f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
-        if self.grad_clip < 0:
-            raise ValueError(f"optim.grad_clip must be >= 0 (0 disables), got {self.grad_clip}")
-        if self.grad_accum < 1:
-            raise ValueError(f"optim.grad_accum must be >= 1, got {self.grad_accum}")
+    lr: float = Field(1e-3, gt=0)
+    weight_decay: float = Field(0.1, ge=0)  # on the matrices of linear/LSTM layers only (see loop.make_optimizer)
+    betas: FromList[tuple[Beta, Beta]] = (0.9, 0.95)
+    eps: float = Field(1e-8, gt=0)
+    warmup_steps: int = Field(50, ge=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    grad_clip: float = Field(1.0, ge=0)  # max global gradient norm; 0 disables clipping
+    grad_accum: int = Field(1, ge=1)  # micro-batches per step (the global batch is split into this many)
 
 
-@dataclasses.dataclass
 class TrainConfig(Config):
     """One training run. `batch_size` is the global batch: split over ranks and accumulation steps."""
 
-    model: TitansConfig = dataclasses.field(default_factory=TitansConfig)
-    task: TaskConfig = dataclasses.field(default_factory=TaskConfig)
-    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    model: TitansConfig = Field(default_factory=TitansConfig)
+    task: TaskConfig = Field(default_factory=TaskConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
     name: str = ""  # shown in tables, plots and the default run directory; default: the model variant
-    steps: int = 500
-    batch_size: int = 16
-    seed: int = 0  # model initialisation and the training data stream
-    eval_every: int = 0  # evaluate at task.train_length every this many steps; 0: only the final evaluation
-    eval_batches: int = 4
-    eval_batch_size: int = 16
-    eval_piece: Optional[int] = None  # evaluate through the recurrent state, this many tokens per call; None: whole
-    checkpoint_every: int = 100  # 0: only at the end (or when time_budget_s runs out)
-    keep_checkpoints: int = 2  # newest checkpoints kept in run_dir/checkpoints
-    log_every: int = 10
-    max_skips_in_row: int = 20  # stop with an error after this many steps in a row skipped (non-finite loss/gradient)
-    time_budget_s: float | None = None  # stop (and checkpoint) once training took this long; None: no limit
+    steps: int = Field(500, ge=1)
+    batch_size: int = Field(16, ge=1)
+    seed: int = Field(0, ge=0, le=MAX_SEED)  # model initialisation and the training data stream
+    eval_every: int = Field(0, ge=0)  # evaluate at task.train_length every this many steps; 0: only the final one
+    eval_batches: int = Field(4, ge=1)
+    eval_batch_size: int = Field(16, ge=1)
+    # evaluate through the recurrent state, this many tokens per call; None: whole sequences
+    eval_piece: Optional[int] = Field(None, ge=1)
+    checkpoint_every: int = Field(100, ge=0)  # 0: only at the end (or when time_budget_s runs out)
+    keep_checkpoints: int = Field(2, ge=1)  # newest checkpoints kept in run_dir/checkpoints
+    log_every: int = Field(10, ge=1)
+    # stop with an error after this many steps in a row skipped (non-finite loss/gradient)
+    max_skips_in_row: int = Field(20, ge=1)
+    # stop (and checkpoint) once training took this long; None: no limit
+    time_budget_s: Optional[float] = Field(None, gt=0)
     device: Literal["cpu", "cuda", "auto"] = "cpu"
     dtype: Literal["float32", "float64"] = "float32"  # parameter and activation dtype
-    threads: int | None = None  # torch intra-op threads of this process; None: torch's default
+    threads: Optional[int] = Field(None, ge=1, le=MAX_THREADS)  # torch intra-op threads; None: torch's default
     tensorboard: bool = True  # also write run_dir/tensorboard when the tensorboard package is installed
 
-    def validate(self) -> None:
-        if not 0 <= self.seed <= MAX_SEED:
-            raise ValueError(f"seed must be in [0, 2**63 - 1], got {self.seed}")
-        for name in ("steps", "batch_size", "eval_batches", "eval_batch_size", "keep_checkpoints", "log_every",
-                     "max_skips_in_row"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.eval_piece is not None and self.eval_piece < 1:
-            raise ValueError(f"eval_piece must be >= 1 (or null for whole sequences), got {self.eval_piece}")
-        for name in ("eval_every", "checkpoint_every"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0 (0 disables), got {getattr(self, name)}")
-        if self.time_budget_s is not None and self.time_budget_s <= 0:
-            raise ValueError(f"time_budget_s must be > 0 (or null for no limit), got {self.time_budget_s}")
-        if self.threads is not None and not 1 <= self.threads <= MAX_THREADS:
-            raise ValueError(f"threads must be in [1, {MAX_THREADS}] (or null for torch's default), "
-                             f"got {self.threads}")
+    @model_validator(mode="after")
+    def check_rules(self) -> TrainConfig:
         if self.batch_size % self.optim.grad_accum:
             raise ValueError(f"batch_size ({self.batch_size}) must be divisible by optim.grad_accum "
                              f"({self.optim.grad_accum})")
+        return self
 
     @property
     def run_name(self) -> str:
