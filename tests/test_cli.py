@@ -217,6 +217,20 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path, monkeypatch):
     assert not (tmp_path / "runs").exists()
 
 
+def test_a_config_refused_for_several_fields_names_each_on_its_own_line(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = runner.invoke(app, ["train", str(TINY), "model.dim=-1", "optim.lr=.nan", "stepz=3"])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.splitlines() == [
+        "error: model.dim: must be >= 1, got -1",
+        "error: optim.lr: expected a finite number, got nan",
+        "error: stepz: unknown field for TrainConfig; valid fields: batch_size, checkpoint_every, device, dtype, "
+        "eval_batch_size, eval_batches, eval_every, eval_piece, keep_checkpoints, log_every, max_skips_in_row, model, "
+        "name, optim, seed, steps, task, tensorboard, threads, time_budget_s",
+    ]
+    assert not (tmp_path / "runs").exists()
+
+
 def test_evaluations_are_kept_apart_and_survive_pruning(tmp_path, monkeypatch):
     """eval's default file sits in the run directory and is named by task, split, seed and step; resuming (which
     prunes old checkpoints) leaves it, and a file put into a pruned checkpoint folder stays too."""

@@ -1,8 +1,8 @@
 """The `titans` command line: train, eval, generate, export, bench, demo, experiment.
 
-Bad input ends with one line on stderr ("error: ...") and exit code 2, never a traceback wall
-(the commands turn the library's ValueErrors into that line; `main` does the same for usage errors
-such as a missing argument), and an existing run directory is never overwritten without --force.
+Bad input ends with one line on stderr per problem ("error: ...", e.g. each refused field of a config) and exit
+code 2, never a traceback wall (the commands turn the library's ValueErrors into those lines; `main` does the same
+for usage errors such as a missing argument), and an existing run directory is never overwritten without --force.
 """
 
 from __future__ import annotations
@@ -33,14 +33,16 @@ def one_line(message: str) -> str:
 
 
 def friendly(command: Callable) -> Callable:
-    """Turn the library's ValueErrors and file errors into one `error: ...` line and exit code 2."""
+    """Turn the library's ValueErrors and file errors into `error: ...` lines and exit code 2: one line, or one per
+    line of the message (a config refused for several fields says so one field a line)."""
 
     @functools.wraps(command)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return command(*args, **kwargs)
         except (ValueError, OSError) as err:
-            typer.echo(f"error: {one_line(err)}", err=True)
+            for line in str(err).splitlines() or [""]:
+                typer.echo(f"error: {one_line(line)}", err=True)
             raise typer.Exit(USAGE_ERROR) from None
         except (MemoryError, RuntimeError) as err:  # a size the machine cannot hold: say so, not a traceback
             if not isinstance(err, MemoryError) and "allocate" not in str(err):
