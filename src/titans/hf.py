@@ -52,7 +52,7 @@ class TitansHFConfig(PretrainedConfig):
 
     # The arguments are config.json's keys (pretrained.SECTION and VERSION_KEY): transformers passes the file's keys.
     def __init__(self, titans: Optional[dict] = None, titans_format_version: int = FORMAT_VERSION, **kwargs: Any):
-        fields = {name: kwargs.pop(name) for name in list(kwargs) if name in TitansConfig.__dataclass_fields__}
+        fields = {name: kwargs.pop(name) for name in list(kwargs) if name in TitansConfig.model_fields}
         for derived in ("tie_word_embeddings", "model_type"):  # answered from the section (a saved file has them)
             kwargs.pop(derived, None)
         config = section_to_config({**(titans or {}), **fields}, titans_format_version, "titans config")

@@ -31,11 +31,7 @@ class TaskAxis(Config):
     name: str = "passkey"
     options: dict[str, Any] = Field(default_factory=dict)
     x: Optional[float] = None
-    train_length: Optional[int] = None
-
-    def validate(self) -> None:
-        if self.train_length is not None and self.train_length < 1:
-            raise ValueError(f"a task's train_length must be >= 1 (or left out), got {self.train_length}")
+    train_length: Optional[int] = Field(None, ge=1)  # None: the experiment's
 
 
 class CapacityGrid(Config):

@@ -18,7 +18,6 @@ no validation split: the held-out split is TEST, and evaluation reads every seri
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import math
 from functools import cached_property
@@ -26,6 +25,7 @@ from pathlib import Path
 from typing import Literal, NamedTuple, Optional
 
 import torch
+from pydantic import model_validator
 
 from .base import LabelBatch, Task, TaskOptions, register
 
@@ -148,17 +148,18 @@ def load_ucr(dataset: str, root: Optional[str | Path] = None) -> dict[str, TsDat
     return splits
 
 
-@dataclasses.dataclass
 class UcrOptions(TaskOptions):
     dataset: str = "ItalyPowerDemand"  # a folder name under root: <dataset>/<dataset>_{TRAIN,TEST}.ts
     split: Literal["train", "test"] = "train"
     root: Optional[str] = None  # folder of sets; None: the ones aeon ships
 
-    def validate(self) -> None:
+    @model_validator(mode="after")
+    def check_rules(self) -> UcrOptions:
         if not self.dataset or Path(self.dataset).name != self.dataset or self.dataset.startswith("."):
             raise ValueError(f"dataset must name one set (a folder name, no path), got {self.dataset!r}")
         if self.root is not None and not self.root:
             raise ValueError("root must name a folder (or be left out for aeon's bundled sets)")
+        return self
 
 
 @register
