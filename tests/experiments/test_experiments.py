@@ -152,6 +152,18 @@ def test_measured_points_are_read_back_until_the_grid_changes(quick_results, tmp
         run_experiment(changed, tmp_path, runs_dir, jobs=1, quick=True, quiet=True)
 
 
+def spy_on_train(monkeypatch) -> list[dict]:
+    """The keyword arguments of every `train` call the runner makes from now on (the runs still train)."""
+    calls = []
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return train(*args, **kwargs)
+
+    monkeypatch.setattr("titans.train.train", spy)
+    return calls
+
+
 def test_a_killed_run_continues_from_its_checkpoint(tmp_path, monkeypatch):
     run = expand(load_experiment("long", quick=True, folder=FOLDER))[0]
     cfg = run.config.replace(steps=4, checkpoint_every=2)
@@ -160,13 +172,7 @@ def test_a_killed_run_continues_from_its_checkpoint(tmp_path, monkeypatch):
     (run_dir / "eval.json").unlink()  # no result yet, and the run directory's config is the 4-step run's
     cfg.to_yaml(run_dir / "config.yaml")
     assert resumable(cfg, run_dir) and not resumable(cfg.replace(seed=1), run_dir)
-    calls = []
-
-    def spy(*args, **kwargs):
-        calls.append(kwargs)
-        return train(*args, **kwargs)
-
-    monkeypatch.setattr("titans.train.train", spy)
+    calls = spy_on_train(monkeypatch)
     done = train_one(cfg, run_dir)
     assert done["step"] == 4 and calls[0]["resume"] and not calls[0]["force"]
     assert not resumable(cfg, run_dir)  # finished now
@@ -184,13 +190,7 @@ def test_the_time_budget_limits_a_run_without_keying_it(tmp_path, monkeypatch):
     assert finished(cfg, run_dir)["step"] == 2 and not resumable(cfg, run_dir)
     longer = cfg.replace(time_budget_s=5000.0)
     assert finished(longer, run_dir) is None and resumable(longer, run_dir)
-    calls = []
-
-    def spy(*args, **kwargs):
-        calls.append(kwargs)
-        return train(*args, **kwargs)
-
-    monkeypatch.setattr("titans.train.train", spy)
+    calls = spy_on_train(monkeypatch)
     done = train_one(longer, run_dir)
     assert done["step"] == 4 and calls[0]["resume"] and not calls[0]["force"]
     assert train_one(cfg.replace(time_budget_s=None), run_dir) == done and len(calls) == 1  # complete: any budget

@@ -37,43 +37,43 @@ def _without_budget(cfg: TrainConfig) -> dict[str, Any]:
     return {key: value for key, value in cfg.to_dict().items() if key != "time_budget_s"}
 
 
-def holds_run_of(cfg: TrainConfig, run_dir: Path) -> bool:
-    """Whether `run_dir` holds a run (finished or not) of `cfg`: the same config up to the time budget, which limits a
-    run without being one of its settings (a run that met its steps under one budget is the run of any other)."""
+def _run_of(cfg: TrainConfig, run_dir: Path) -> tuple[TrainConfig, dict[str, Any] | None] | None:
+    """(the saved config, its eval.json or None while unfinished) where `run_dir` holds a run of `cfg`, else None.
+    A run of `cfg` has the same config up to the time budget, which limits a run without being one of its settings (a
+    run that met its steps under one budget is the run of any other)."""
     from ..train.checkpoint import load_checkpoint_config
 
     if not (run_dir / "config.yaml").is_file():
-        return False
+        return None
     try:
-        return _without_budget(load_checkpoint_config(run_dir)) == _without_budget(cfg)
+        saved = load_checkpoint_config(run_dir)
     except ValueError:
-        return False
+        return None
+    if _without_budget(saved) != _without_budget(cfg):
+        return None
+    result = run_dir / "eval.json"
+    return saved, json.loads(result.read_text()) if result.is_file() else None
 
 
-def _cut_short_by_another_budget(cfg: TrainConfig, run_dir: Path, summary: dict[str, Any]) -> bool:
+def _cut_short_by_another_budget(cfg: TrainConfig, saved: TrainConfig, summary: dict[str, Any]) -> bool:
     """A finished run that its time budget stopped before its steps, under a budget other than `cfg`'s: under this one
     it would have trained on, so it is continued, not read back."""
-    from ..train.checkpoint import load_checkpoint_config
-
-    return summary["step"] < cfg.steps and load_checkpoint_config(run_dir).time_budget_s != cfg.time_budget_s
+    return summary["step"] < cfg.steps and saved.time_budget_s != cfg.time_budget_s
 
 
 def finished(cfg: TrainConfig, run_dir: Path) -> dict[str, Any] | None:
     """The run's eval.json where `run_dir` holds a finished run of `cfg`, else None."""
-    result = run_dir / "eval.json"
-    if not result.is_file() or not holds_run_of(cfg, run_dir):
+    run = _run_of(cfg, run_dir)
+    if run is None or run[1] is None or _cut_short_by_another_budget(cfg, *run):
         return None
-    summary = json.loads(result.read_text())
-    return None if _cut_short_by_another_budget(cfg, run_dir, summary) else summary
+    return run[1]
 
 
 def resumable(cfg: TrainConfig, run_dir: Path) -> bool:
     """Whether `run_dir` holds a run of `cfg` to continue: unfinished (a killed grid), or cut short by another time
     budget."""
-    if not holds_run_of(cfg, run_dir):
-        return False
-    result = run_dir / "eval.json"
-    return not result.is_file() or _cut_short_by_another_budget(cfg, run_dir, json.loads(result.read_text()))
+    run = _run_of(cfg, run_dir)
+    return run is not None and (run[1] is None or _cut_short_by_another_budget(cfg, *run))
 
 
 def train_one(cfg: TrainConfig, run_dir: Path) -> dict[str, Any]:
