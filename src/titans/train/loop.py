@@ -139,28 +139,26 @@ def scored_positions(batch: Batch) -> int:
     return batch.targets.numel()
 
 
-def streamed(model: nn.Module, inputs: Tensor, piece: int | None) -> Tensor:
-    """The model's outputs for `inputs`, read `piece` positions per call through the recurrent state (the whole
-    sequence in one call when None): the same outputs either way, up to rounding, in memory that stops growing
-    with the length for every variant but full attention."""
-    if piece is None:
-        return model(inputs)[0]
+def _pieces(model: nn.Module, inputs: Tensor, piece: int) -> list[Tensor]:
+    """The model's outputs for each `piece` positions of `inputs` in turn, the recurrent state carried between calls."""
     outputs, state = [], None
     for start in range(0, inputs.shape[1], piece):
         out, state = model(inputs[:, start:start + piece], state)
         outputs.append(out)
-    return torch.cat(outputs, 1)
+    return outputs
+
+
+def streamed(model: nn.Module, inputs: Tensor, piece: int | None) -> Tensor:
+    """The model's outputs for `inputs`, read `piece` positions per call through the recurrent state (the whole
+    sequence in one call when None): the same outputs either way, up to rounding, in memory that stops growing
+    with the length for every variant but full attention."""
+    return model(inputs)[0] if piece is None else torch.cat(_pieces(model, inputs, piece), 1)
 
 
 def streamed_last(model: nn.Module, inputs: Tensor, piece: int | None) -> Tensor:
     """The outputs of a model that reads a whole sequence into one output (a classifier of the last hidden state),
     `piece` positions per call through the recurrent state: the last call's outputs."""
-    if piece is None:
-        return model(inputs)[0]
-    state = None
-    for start in range(0, inputs.shape[1], piece):
-        outputs, state = model(inputs[:, start:start + piece], state)
-    return outputs
+    return model(inputs)[0] if piece is None else _pieces(model, inputs, piece)[-1]
 
 
 def loss_terms(model: nn.Module, batch: Batch, device: torch.device,
