@@ -547,3 +547,64 @@ def test_extreme_but_valid_gradient_bounds_stay_finite_on_zero_gradients():
         y, W, S = parallel_memory(q, k, v, theta, eta, alpha, weights, momentum, chunk_size=4, residual=False,
                                   max_grad_norm=bound)
         assert all(torch.isfinite(t).all() for t in (y, *W, *S))
+
+
+def channel_alpha(args, seed=1):
+    """The arguments with α per channel: one [batch, heads, seq, d_out] gate per memory layer, in [0, 0.3)."""
+    g = torch.Generator().manual_seed(seed)
+    weights = args[6]
+    alpha = tuple(0.3 * torch.rand(*args[5].shape, w.shape[-1], generator=g, dtype=DT) for w in weights)
+    if args[5].requires_grad:
+        alpha = tuple(a.requires_grad_() for a in alpha)
+    return [*args[:5], alpha, *args[6:]]
+
+
+@pytest.mark.parametrize(
+    "chunk_size, depth, rule",
+    [(1, 2, {}), (4, 1, {}), (5, 2, {}), (16, 3, {}),
+     (4, 2, dict(normalize_chunk=True, max_grad_norm=2.0, max_state_norm=0.6, hidden_step=0.3))],
+)
+def test_channel_wise_forgetting_matches_the_reference(chunk_size, depth, rule):
+    """α per output column of each layer (W_i ← W_i diag(1 − α_t,i) + S_i): values and gradients of every input
+    as the token-by-token reference computes them, ragged last chunk included."""
+    args = channel_alpha(make_inputs(seq=13, depth=depth, requires_grad=True))
+    outs = []
+    for fn in (parallel_memory, sequential_memory):
+        y, W, S = fn(*args, chunk_size=chunk_size, **rule)
+        loss = (y**2).sum() + sum((w**3).sum() for w in W) + sum(s.sum() for s in S)
+        outs.append([y, *W, *S, *torch.autograd.grad(loss, flat(args))])
+    assert max_diff(*outs) <= 1e-10
+
+
+def test_channel_wise_forgetting_with_equal_channels_is_the_scalar_gate():
+    """Every channel at the same α_t is the paper's scalar forgetting gate (the fused path serves that one)."""
+    q, k, v, theta, eta, alpha, weights, momentum = make_inputs(seq=21, depth=2)
+    same = tuple(alpha.unsqueeze(-1).expand(*alpha.shape, w.shape[-1]) for w in weights)
+    scalar = parallel_memory(q, k, v, theta, eta, alpha, weights, momentum, chunk_size=4)
+    channels = parallel_memory(q, k, v, theta, eta, same, weights, momentum, chunk_size=4)
+    assert max_diff(flat(scalar), flat(channels)) <= 1e-12
+
+
+def test_channel_wise_forgetting_forgets_only_its_channels():
+    """α = 1 on one output column of the last layer and 0 elsewhere, no momentum carried: after the chunk that
+    column holds only the chunk's own writes (β = 0 there), the other columns keep their start."""
+    q, k, v, theta, eta, alpha, weights, _ = make_inputs(seq=4, depth=1)
+    zero_theta = torch.zeros_like(theta)  # no writes: the state shows the forgetting alone
+    forget = torch.zeros(*alpha.shape, weights[0].shape[-1], dtype=DT)
+    forget[..., 1] = 1.0
+    _, (W,), _ = parallel_memory(q, k, v, zero_theta, eta, (forget,), weights, chunk_size=4)
+    assert torch.equal(W[..., 1], torch.zeros_like(W[..., 1]))
+    assert max_diff([W[..., [0, 2, 3]]], [weights[0][..., [0, 2, 3]]]) <= 1e-15
+
+
+@pytest.mark.parametrize("fn", [parallel_memory, sequential_memory])
+def test_bad_channel_wise_alpha_names_the_layer(fn):
+    args = channel_alpha(make_inputs(seq=7))
+    wrong_width = [*args[:5], (args[5][0], args[5][1][..., :2]), *args[6:]]
+    with pytest.raises(ValueError, match=r"^alpha\[1\] must have shape"):
+        fn(*wrong_width)
+    with pytest.raises(ValueError, match="one tensor per memory layer"):
+        fn(*args[:5], args[5][:1], *args[6:])
+    above_one = [*args[:5], (args[5][0] + 2.0, args[5][1]), *args[6:]]
+    with pytest.raises(ValueError, match=r"^alpha\[0\] must lie in \[0, 1\]"):
+        fn(*above_one)

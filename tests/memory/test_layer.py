@@ -29,8 +29,11 @@ OPTION_SETS = {
     "no forgetting": {"forgetting": False},
     "constant gates": {"gates": "constant", "init_theta": 0.5, "init_eta": 0.9, "init_alpha": 1e-3},
     "hidden layers at 0.3 θ": {"hidden_step": 0.3, "depth": 3, "expansion": 2},
+    "channel-wise forgetting": {"forgetting_channels": True},
+    "channel-wise forgetting, chunk-pooled": {"forgetting_channels": True, "gate_pooling": "chunk", "depth": 3,
+                                              "expansion": 2},
 }
-ABLATIONS = ["linear memory", "no momentum", "no forgetting", "constant gates"]
+ABLATIONS = ["linear memory", "no momentum", "no forgetting", "constant gates", "channel-wise forgetting"]
 
 
 def make_memory(chunk_size=4, **options) -> NeuralMemory:
@@ -323,6 +326,9 @@ def test_ablation_switches_equal_the_token_by_token_rule(name, monkeypatch):
         if name == "constant gates":
             for gate, value in ((theta, 0.5), (eta, 0.9), (alpha, 1e-3)):
                 torch.testing.assert_close(gate, torch.full_like(gate, value), rtol=1e-12, atol=0)
+        if name == "channel-wise forgetting":  # one α per output column of each layer, each its own
+            assert [a.shape[-1] for a in alpha] == [w.shape[-1] for w in weights] == [32, 8]
+            assert all(a.std(-1).min() > 0 for a in alpha)
         if name == "linear memory":  # M(k) = k W: one layer, and no residual (W = 0 reads 0)
             assert len(weights) == 1
             assert layer.memory_apply(x.new_ones(1, 1, 1, 8), (torch.zeros(1, 1, 8, 8, dtype=DT),), "gelu",
@@ -338,6 +344,19 @@ def test_constant_gates_are_not_parameters():
     y, _ = constant.double()(torch.randn(1, 8, 16, dtype=DT))
     y.sum().backward()  # the outer loop trains everything else
     assert all(p.grad is not None for p in constant.parameters())
+
+
+def test_channel_wise_forgetting_gates():
+    """α per output column of every layer: the gate projection grows by one output per column, every α starts at
+    init_alpha, and the exact delta rule (one α per token) refuses it."""
+    scalar, channels = NeuralMemory(16, heads=2), NeuralMemory(16, heads=2, forgetting_channels=True)
+    assert channels.to_gates.out_features == 2 * (2 + 32 + 8) and scalar.to_gates.out_features == 2 * 3
+    _, _, alpha = channels._gate_values(channels.to_gates.bias.view(-1, 2).T[None, :, None].double())
+    assert [tuple(a.shape) for a in alpha] == [(1, 2, 1, 32), (1, 2, 1, 8)]
+    assert all(torch.allclose(a, torch.full_like(a, 1e-5)) for a in alpha)
+    with pytest.raises(ValueError, match="forgetting_channels=False"):
+        NeuralMemory(16, depth=1, momentum=False, residual=False, gradients="token", max_grad_norm=None,
+                     max_state_norm=None, normalize_chunk=False, forgetting_channels=True)
 
 
 def test_constant_gates_refuse_the_surprise_gate():

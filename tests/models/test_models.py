@@ -216,7 +216,7 @@ def test_baseline_memories_are_configs_of_the_same_layer():
 
 
 ABLATION_SWITCHES = dict(memory_depth=1, memory_residual=False, momentum=False, memory_forgetting=False,
-                         memory_gates="constant")
+                         memory_gates="constant", memory_forgetting_channels=True)
 
 
 @pytest.mark.parametrize("name", ["lmm", "mac", "mag", "mal"])
@@ -227,11 +227,11 @@ def test_ablation_switches_reach_every_titans_memory(name):
     memories = [m for m in model.modules() if isinstance(m, NeuralMemory)]
     assert len(memories) == 2
     for memory in memories:
-        assert (memory.depth, memory.residual, memory.use_momentum, memory.forgetting, memory.gates) == (
-            1, False, False, False, "constant")
+        assert (memory.depth, memory.residual, memory.use_momentum, memory.forgetting, memory.gates,
+                memory.forgetting_channels) == (1, False, False, False, "constant", True)
         assert memory.to_gates is None
     gdn = tiny_model("gated_deltanet", **ABLATION_SWITCHES).backbone.blocks[0].mixer
-    assert (gdn.forgetting, gdn.gates) == (True, "data")
+    assert (gdn.forgetting, gdn.gates, gdn.forgetting_channels) == (True, "data", False)
     stepped = tiny_model(name, memory_hidden_step=0.25)
     assert {m.hidden_step for m in stepped.modules() if isinstance(m, NeuralMemory)} == {0.25}
 

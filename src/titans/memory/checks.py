@@ -16,6 +16,8 @@ from torch import Tensor
 from .mlp import ACTIVATIONS, Weights
 
 Theta = Union[Tensor, Callable[[Tensor, int, int], Tensor]]
+# α_t: one gate per token `[batch, heads, seq]` (the paper), or per channel: one `[batch, heads, seq, d_out]` per layer
+Alpha = Union[Tensor, tuple[Tensor, ...]]
 F = TypeVar("F", bound=Callable)
 
 
@@ -55,7 +57,7 @@ def check_memory_args(
     v: Tensor,
     theta: Theta,
     eta: Tensor,
-    alpha: Tensor,
+    alpha: Alpha,
     weights: Weights,
     momentum: Optional[Weights],
     chunk_size: int,
@@ -79,41 +81,6 @@ def check_memory_args(
     if v.shape[:3] != k.shape[:3]:
         raise ValueError(f"v has shape {tuple(v.shape)}, incompatible with k {tuple(k.shape)}")
     batch, heads, seq, dim = k.shape
-    gates = {"eta": eta, "alpha": alpha}
-    if isinstance(theta, Tensor):
-        gates = {"theta": theta, **gates}
-    elif not callable(theta):
-        raise ValueError(f"theta must be a tensor [batch, heads, seq] or a callable, got {type(theta).__name__}")
-    for name, g in gates.items():
-        if not isinstance(g, Tensor):
-            raise ValueError(f"{name} must be a torch.Tensor, got {type(g).__name__}")
-        if tuple(g.shape) != (batch, heads, seq):
-            raise ValueError(f"{name} must have shape {(batch, heads, seq)} ([batch, heads, seq]), "
-                             f"got {tuple(g.shape)}")
-        if not g.is_floating_point():
-            raise ValueError(f"{name} must be a floating-point tensor, got {g.dtype}")
-    if checks_values(k):
-        for name, g in gates.items():
-            _check_finite(name, g)
-        # Ranges: θ ≥ 0 is a learning rate; η and 1 − α are decay factors in [0, 1].
-        if isinstance(theta, Tensor) and (theta < 0).any():
-            raise ValueError("theta (inner learning rate) must be >= 0")
-        for name, g in (("eta", eta), ("alpha", alpha)):
-            if ((g < 0) | (g > 1)).any():
-                raise ValueError(f"{name} must lie in [0, 1]")
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be an integer >= 1, got {chunk_size!r}")
-    for name, bound in (("max_grad_norm", max_grad_norm), ("max_state_norm", max_state_norm)):
-        if bound is not None and (isinstance(bound, bool) or not isinstance(bound, (int, float))
-                                  or not 0 < bound < float("inf")):
-            raise ValueError(f"{name} must be a positive finite number or None, got {bound!r}")
-    if isinstance(hidden_step, bool) or not isinstance(hidden_step, (int, float)) or not 0 <= hidden_step <= 1:
-        raise ValueError(f"hidden_step must be a number in [0, 1] (the hidden layers' step as a fraction of θ), "
-                         f"got {hidden_step!r}")
-    if not isinstance(normalize_chunk, bool):
-        raise ValueError(f"normalize_chunk must be True or False, got {normalize_chunk!r}")
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
     if not isinstance(weights, (tuple, list)) or len(weights) == 0:
         raise ValueError("weights must be a non-empty tuple of [batch, heads, d_in, d_out] tensors")
     expected_in = dim
@@ -130,6 +97,47 @@ def check_memory_args(
             raise ValueError(f"weights[{i}] has dtype {w.dtype} but weights[0] has {weights[0].dtype}: the state "
                              "has one dtype")
         expected_in = w.shape[3]
+    gates = {"eta": (eta, (batch, heads, seq))}
+    if isinstance(theta, Tensor):
+        gates = {"theta": (theta, (batch, heads, seq)), **gates}
+    elif not callable(theta):
+        raise ValueError(f"theta must be a tensor [batch, heads, seq] or a callable, got {type(theta).__name__}")
+    if isinstance(alpha, (tuple, list)):  # α per channel: one [batch, heads, seq, d_out] per layer
+        if len(alpha) != len(weights):
+            raise ValueError(f"alpha per channel needs one tensor per memory layer ({len(weights)}), got {len(alpha)}")
+        for i, (a, w) in enumerate(zip(alpha, weights)):
+            gates[f"alpha[{i}]"] = (a, (batch, heads, seq, w.shape[3]))
+    else:
+        gates["alpha"] = (alpha, (batch, heads, seq))
+    for name, (g, shape) in gates.items():
+        if not isinstance(g, Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(g).__name__}")
+        if tuple(g.shape) != shape:
+            raise ValueError(f"{name} must have shape {shape}, got {tuple(g.shape)}")
+        if not g.is_floating_point():
+            raise ValueError(f"{name} must be a floating-point tensor, got {g.dtype}")
+    if checks_values(k):
+        for name, (g, _) in gates.items():
+            _check_finite(name, g)
+        # Ranges: θ ≥ 0 is a learning rate; η and 1 − α are decay factors in [0, 1].
+        if isinstance(theta, Tensor) and (theta < 0).any():
+            raise ValueError("theta (inner learning rate) must be >= 0")
+        for name, (g, _) in gates.items():
+            if name != "theta" and ((g < 0) | (g > 1)).any():
+                raise ValueError(f"{name} must lie in [0, 1]")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be an integer >= 1, got {chunk_size!r}")
+    for name, bound in (("max_grad_norm", max_grad_norm), ("max_state_norm", max_state_norm)):
+        if bound is not None and (isinstance(bound, bool) or not isinstance(bound, (int, float))
+                                  or not 0 < bound < float("inf")):
+            raise ValueError(f"{name} must be a positive finite number or None, got {bound!r}")
+    if isinstance(hidden_step, bool) or not isinstance(hidden_step, (int, float)) or not 0 <= hidden_step <= 1:
+        raise ValueError(f"hidden_step must be a number in [0, 1] (the hidden layers' step as a fraction of θ), "
+                         f"got {hidden_step!r}")
+    if not isinstance(normalize_chunk, bool):
+        raise ValueError(f"normalize_chunk must be True or False, got {normalize_chunk!r}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
     if max_grad_norm is not None:  # its square enters the bound: it must be a normal number of the state's dtype
         info = torch.finfo(weights[0].dtype)
         if not info.tiny**0.5 <= max_grad_norm <= info.max**0.5:
@@ -139,7 +147,8 @@ def check_memory_args(
         raise ValueError(f"the last of weights outputs {expected_in} features but v has dim {v.shape[3]}")
     if residual and v.shape[3] != dim:
         raise ValueError(f"residual memory needs v dim == k dim, got {v.shape[3]} and {dim}")
-    for name, t in {"q": q, "v": v, **gates, **{f"weights[{i}]": w for i, w in enumerate(weights)}}.items():
+    named = {"q": q, "v": v, **{name: g for name, (g, _) in gates.items()}}
+    for name, t in {**named, **{f"weights[{i}]": w for i, w in enumerate(weights)}}.items():
         if t.device != k.device:
             raise ValueError(f"{name} is on {t.device} but k is on {k.device}")
     if momentum is None:

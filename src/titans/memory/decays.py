@@ -68,3 +68,11 @@ def chunk_decays(eta: Tensor, alpha: Tensor) -> Decays:
     e = torch.exp(torch.cumsum(log_eta, dim=-1))
     c = (B @ e.unsqueeze(-1)).squeeze(-1)
     return Decays(beta, c, B, E, e)
+
+
+def channel_decays(decays: Decays, alpha: Tensor) -> Decays:
+    """`decays` with α per channel: `alpha` [..., n, d] (a layer's forgetting per output column, chunk dim second to
+    last) replaces β, c by [..., d, n] and B by [..., d, n, n], one decay per column; η's E and e are shared."""
+    beta, B = forget_decays(alpha.transpose(-1, -2))
+    c = (B @ decays.e[..., None, :, None]).squeeze(-1)
+    return decays._replace(beta=beta, B=B, c=c)

@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 from ..layers.conv import CausalDepthwiseConv, causal_depthwise_conv
 from ..layers.state import check_state_shapes, check_state_type
+from .checks import Alpha
 from .delta import delta_rule_memory
 from .mlp import ACTIVATIONS, Weights, memory_apply
 from .parallel import parallel_memory
@@ -68,6 +69,9 @@ class NeuralMemory(nn.Module):
         momentum: False sets η = 0 (no past surprise); with depth=1, residual=False, gradients="token" this is
             Gated DeltaNet.
         forgetting: False sets α = 0 (no forgetting: the paper's "w/o weight decay" ablation).
+        forgetting_channels: α per channel (the paper's later version): every memory layer's output columns forget
+            at their own data-dependent rate, W_i ← W_i diag(1 − α_t,i) + S_i, instead of one α_t per token and head.
+            Served by the autograd chunk path (the fused kernels take the scalar gate).
         gates: "data" (θ_t, η_t, α_t from x_t, the paper's data-dependent gates) or "constant" (θ, η, α fixed at
             init_theta, init_eta, init_alpha and not trained, the proof-of-concept's ablation).
         residual: M(x) = x + MLP(x); False with depth=1 is the paper's linear memory M(x) = x W.
@@ -111,6 +115,7 @@ class NeuralMemory(nn.Module):
         activation: str = "gelu",
         momentum: bool = True,
         forgetting: bool = True,
+        forgetting_channels: bool = False,
         gates: Literal["data", "constant"] = "data",
         residual: bool = True,
         conv_kernel: int = 4,
@@ -162,26 +167,34 @@ class NeuralMemory(nn.Module):
         if max_state_norm is not None and not 0 < max_state_norm < float("inf"):
             raise ValueError(f"max_state_norm must be a positive finite number or None, got {max_state_norm}")
         if gradients == "token" and (depth != 1 or momentum or surprise_gate or max_grad_norm is not None
-                                     or max_state_norm is not None or normalize_chunk):
+                                     or max_state_norm is not None or normalize_chunk or forgetting_channels):
             raise ValueError("gradients='token' (the exact delta rule) needs depth=1, momentum=False, "
-                             "surprise_gate=False, max_grad_norm=None, max_state_norm=None and normalize_chunk=False, "
-                             f"got depth={depth}, momentum={momentum}, surprise_gate={surprise_gate}, "
-                             f"max_grad_norm={max_grad_norm}, max_state_norm={max_state_norm}, "
-                             f"normalize_chunk={normalize_chunk}")
+                             "surprise_gate=False, max_grad_norm=None, max_state_norm=None, normalize_chunk=False and "
+                             f"forgetting_channels=False, got depth={depth}, momentum={momentum}, "
+                             f"surprise_gate={surprise_gate}, max_grad_norm={max_grad_norm}, "
+                             f"max_state_norm={max_state_norm}, normalize_chunk={normalize_chunk}, "
+                             f"forgetting_channels={forgetting_channels}")
         self.dim, self.heads, self.head_dim = dim, heads, dim // heads
         self.depth, self.chunk_size, self.max_lr = depth, chunk_size, max_lr
         self.activation, self.use_momentum, self.residual = activation, momentum, residual
         self.forgetting, self.gates, self.hidden_step = forgetting, gates, hidden_step
+        self.forgetting_channels = forgetting_channels
         self.gate_pooling, self.surprise_gate, self.checkpoint_chunks = gate_pooling, surprise_gate, checkpoint_chunks
         self.max_grad_norm, self.max_state_norm = max_grad_norm, max_state_norm
         self.gradients, self.normalize_inputs, self.normalize_chunk = gradients, normalize_inputs, normalize_chunk
+
+        hidden = self.head_dim * expansion
+        widths = [self.head_dim] + [hidden] * (depth - 1) + [self.head_dim]
+        # α per channel: one gate per output column of every layer, after θ and η
+        self.alpha_widths = tuple(widths[1:]) if forgetting_channels else (1,)
+        self.gates_per_head = 2 + sum(self.alpha_widths)  # θ, η, then α
 
         self.to_qkv = nn.Linear(dim, 3 * dim, bias=False)  # W_Q, W_K, W_V
         self.conv = CausalDepthwiseConv(3 * dim, conv_kernel)
         self.init_gates = (init_theta, init_eta, init_alpha)
         init_logits = self.initial_gate_logits()
         if gates == "data":  # the outer loop tunes the bias and the weights from x
-            self.to_gates = nn.Linear(dim, 3 * heads)
+            self.to_gates = nn.Linear(dim, self.gates_per_head * heads)
             with torch.no_grad():
                 self.to_gates.weight.mul_(0.1)
                 self.to_gates.bias.copy_(init_logits)  # rounded to the bias's dtype
@@ -190,8 +203,6 @@ class NeuralMemory(nn.Module):
             self.register_buffer("constant_gate_logits", init_logits, persistent=False)
         self.surprise_weight = nn.Parameter(torch.zeros(heads)) if surprise_gate else None
 
-        hidden = self.head_dim * expansion
-        widths = [self.head_dim] + [hidden] * (depth - 1) + [self.head_dim]
         # W_0: the last layer starts at zero, so the memory starts as M(x) = x (residual) or 0 and reads back only what
         # it has written. With a random last layer a deep memory adds a fixed random function to every read, and at our
         # scale it did not learn recall at all (DESIGN.md §1, "Initialisation"); the earlier layers are random, or
@@ -209,7 +220,8 @@ class NeuralMemory(nn.Module):
         """Logits of θ, η, α per head at init (float64): every gate starts at its init_* value, the bias being its
         logit; constant gates keep them. Also what a loader that leaves buffers empty (Hugging Face) refills."""
         theta, eta, alpha = self.init_gates
-        return torch.tensor([logit(theta / self.max_lr), logit(eta), logit(alpha)],
+        alphas = [logit(alpha)] * sum(self.alpha_widths)
+        return torch.tensor([logit(theta / self.max_lr), logit(eta), *alphas],
                             dtype=torch.float64).repeat_interleave(self.heads)
 
     # ----------------------------------------------------------------------------------------- state
@@ -228,7 +240,7 @@ class NeuralMemory(nn.Module):
             conv_cache=torch.zeros(batch_size, self.conv.kernel - 1, 3 * self.dim, device=device, dtype=dtype),
             pending_k=empty,
             pending_v=empty,
-            pending_gates=torch.zeros(batch_size, self.heads, 0, 3, device=device, dtype=dtype),
+            pending_gates=torch.zeros(batch_size, self.heads, 0, self.gates_per_head, device=device, dtype=dtype),
         )
 
     def _check_state(self, state: MemoryState, batch: int) -> None:
@@ -247,7 +259,7 @@ class NeuralMemory(nn.Module):
             conv_cache=(state.conv_cache, (batch, self.conv.kernel - 1, 3 * self.dim)),
             pending_k=(state.pending_k, (batch, self.heads, None, self.head_dim)),
             pending_v=(state.pending_v, (batch, self.heads, p, self.head_dim)),
-            pending_gates=(state.pending_gates, (batch, self.heads, p, 3)),
+            pending_gates=(state.pending_gates, (batch, self.heads, p, self.gates_per_head)),
         )
         check_state_shapes("NeuralMemory", shapes)
         if state.num_pending >= self.chunk_size:
@@ -266,20 +278,22 @@ class NeuralMemory(nn.Module):
         return F.normalize(self._split_heads(F.silu(proj_q)), dim=-1)
 
     def _gate_logits(self, x: Tensor) -> Tensor:
-        """Logits of θ, η, α for every token, [B, T, 3 · heads]."""
+        """Logits of θ, η, α for every token, [B, T, gates_per_head · heads] (3 per head with a scalar α)."""
         if self.to_gates is None:
             return self.constant_gate_logits.expand(*x.shape[:2], -1)
         return self.to_gates(F.rms_norm(x, (self.dim,)) if self.normalize_inputs else x)
 
-    def _gate_values(self, logits: Tensor) -> tuple[Union[Tensor, Callable], Tensor, Tensor]:
-        """θ, η, α from logits [B, H, n, 3] that start at a chunk boundary."""
+    def _gate_values(self, logits: Tensor) -> tuple[Union[Tensor, Callable], Tensor, Alpha]:
+        """θ, η, α from logits [B, H, n, gates_per_head] that start at a chunk boundary (α per channel: one
+        [B, H, n, d_out] per memory layer)."""
         if self.gate_pooling == "chunk":
             n = logits.shape[2]
             first = torch.arange(n, device=logits.device) // self.chunk_size * self.chunk_size
             logits = logits[:, :, first]
-        theta_logit, eta_logit, alpha_logit = logits.unbind(-1)
+        theta_logit, eta_logit = logits[..., 0], logits[..., 1]
         eta = torch.sigmoid(eta_logit) if self.use_momentum else torch.zeros_like(eta_logit)
-        alpha = torch.sigmoid(alpha_logit) if self.forgetting else torch.zeros_like(alpha_logit)
+        alpha = torch.sigmoid(logits[..., 2:]) if self.forgetting else torch.zeros_like(logits[..., 2:])
+        alpha = alpha.split(self.alpha_widths, dim=-1) if self.forgetting_channels else alpha[..., 0]
         if self.surprise_weight is None:
             return self.max_lr * torch.sigmoid(theta_logit), eta, alpha
         weight = self.surprise_weight.view(1, -1, 1)
@@ -329,7 +343,7 @@ class NeuralMemory(nn.Module):
         v = self._split_heads(F.silu(proj_v))
         if self.normalize_inputs:  # the inner loop sees no scale: unit values like the keys, gates from unit-RMS x
             v = F.normalize(v, dim=-1)
-        gates = self._gate_logits(x).to(dtype).unflatten(-1, (3, self.heads)).permute(0, 3, 1, 2)  # [B, H, T, 3]
+        gates = self._gate_logits(x).to(dtype).unflatten(-1, (self.gates_per_head, self.heads)).permute(0, 3, 1, 2)
 
         # Continue the unfinished chunk: its pending tokens go first (their outputs are discarded),
         # so every chunk's gradients are taken at the weights it started with, as in one call.

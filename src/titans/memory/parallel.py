@@ -19,8 +19,8 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from .checks import Theta, check_memory_args, without_autocast
-from .decays import Decays, chunk_decays
+from .checks import Alpha, Theta, check_memory_args, without_autocast
+from .decays import Decays, channel_decays, chunk_decays
 from .fused import MemoryScan, ScanConfig
 from .mlp import (
     ACTIVATIONS,
@@ -53,7 +53,7 @@ def _chunk_step(
     k: Tensor,
     v: Tensor,
     theta: Theta,
-    decays: Decays,
+    decays: tuple[Decays, ...],
     start: int,
     activation: str,
     residual: bool,
@@ -63,7 +63,9 @@ def _chunk_step(
 
     The state of layer i is stacked as WS_i = [W_i; S_i] (`[b, h, 2 d_in, d_out]`) so that the two
     terms β_t h W⁰ + c_t h S⁰ are one matmul of [β h, c h] against WS, and the whole state update is
-    one matmul plus one batched 2×2 mix.
+    one matmul plus one batched 2×2 mix. `decays` holds one `Decays` per layer: the same one for every layer
+    under the paper's scalar α, or each layer's own with α per output column (`channel_decays`), whose retrieval
+    and update scale each column by its own decay instead.
     """
     sigma = ACTIVATIONS[activation][0]
     W0 = tuple(ws[..., : ws.shape[-2] // 2, :] for ws in WS)
@@ -73,39 +75,52 @@ def _chunk_step(
     deltas = backward_deltas(out, v, W0, preacts, activation)
     if rule.max_grad_norm is not None:
         theta = theta * grad_norm_scale(token_grad_sq_norm(inputs, deltas), rule.max_grad_norm)
-    C = decays.B @ (decays.E * theta.unsqueeze(-2))  # C[t,s] = Σ_r B[t,r] E[r,s] θ_s
-    momentum_coef = -(theta * decays.E[..., -1, :])
-    if rule.normalize_chunk:  # token s's step in W_t times K[t,s]; the end state is row n
-        norm = chunk_step_norm(inputs, deltas)
-        C = C * norm
+    E_theta = decays[0].E * theta.unsqueeze(-2)  # E[r,s] θ_s: momentum's part of C, shared by every layer
+    momentum_coef = -(theta * decays[0].E[..., -1, :])
+    norm = chunk_step_norm(inputs, deltas) if rule.normalize_chunk else None
+    if norm is not None:  # token s's step in W_t times K[t,s]; the end state is row n
         momentum_coef = momentum_coef * norm[..., -1, :]
-    beta, c = decays.beta.unsqueeze(-1), decays.c.unsqueeze(-1)
     if rule.hidden_step != 1.0:  # the hidden layers step ρ θ: their a_sᵀ δ_s terms scaled, after the bounds saw them
         deltas = [d * rule.hidden_step for d in deltas[:-1]] + [deltas[-1]]
+    e_n = decays[0].e[..., -1]
+    momentum_coef = momentum_coef.unsqueeze(-1)
 
-    # Retrieval, layer by layer (step 3): z_i = diag(β) h W⁰ + diag(c) h S⁰ − (C ⊙ h aᵀ) δ_i.
     h = q
     depth = len(WS)
-    for i in range(depth):
-        scores = C * (h @ inputs[i].transpose(-1, -2))
-        z = torch.cat([beta * h, c * h], dim=-1) @ WS[i]
-        z = torch.baddbmm(_flat3(z), _flat3(scores), _flat3(deltas[i]), alpha=-1.0).view_as(z)
-        h = sigma(z) if i < depth - 1 else z
-    y = q + h if residual else h
-
-    # State after the chunk (step 4), the last row of the same matrices:
-    #   W ← β_n W⁰ + c_n S⁰ − aᵀ diag(C[n,:]) δ      S ← e_n S⁰ − aᵀ diag(θ ⊙ E[n,:]) δ
-    weight_coef = -C[..., -1, :].unsqueeze(-1)
-    momentum_coef = momentum_coef.unsqueeze(-1)
-    beta_n, c_n, e_n = (x[..., -1] for x in (decays.beta, decays.c, decays.e))
-    mix = torch.stack([beta_n, c_n, torch.zeros_like(e_n), e_n], dim=-1).view(-1, 2, 2)
     WS_new = []
     for i in range(depth):
-        a = inputs[i]
-        update = torch.cat([weight_coef * a, momentum_coef * a], dim=-1).transpose(-1, -2) @ deltas[i]
+        dec, a = decays[i], inputs[i]
+        channels = dec.B.dim() > E_theta.dim()  # α per output column: β, c [.., d, n], B [.., d, n, n]
+        if i == 0 or dec is not decays[i - 1]:  # the scalar α's layers share one C
+            C = dec.B @ (E_theta.unsqueeze(-3) if channels else E_theta)  # C[t,s] = Σ_r B[t,r] E[r,s] θ_s
+            if norm is not None:
+                C = C * (norm.unsqueeze(-3) if channels else norm)
+        # Retrieval (step 3): z_i = diag(β) h W⁰ + diag(c) h S⁰ − (C ⊙ h aᵀ) δ_i, each column with its own β, c, C
+        # when α is per channel.
+        if channels:
+            w0, s0 = WS[i].chunk(2, dim=-2)
+            z = dec.beta.transpose(-1, -2) * (h @ w0) + dec.c.transpose(-1, -2) * (h @ s0)
+            z = z - torch.einsum("...cts,...ts,...sc->...tc", C, h @ a.transpose(-1, -2), deltas[i])
+        else:
+            scores = C * (h @ a.transpose(-1, -2))
+            z = torch.cat([dec.beta.unsqueeze(-1) * h, dec.c.unsqueeze(-1) * h], dim=-1) @ WS[i]
+            z = torch.baddbmm(_flat3(z), _flat3(scores), _flat3(deltas[i]), alpha=-1.0).view_as(z)
+        # State after the chunk (step 4), the last row of the same matrices:
+        #   W ← β_n W⁰ + c_n S⁰ − aᵀ diag(C[n,:]) δ      S ← e_n S⁰ − aᵀ diag(θ ⊙ E[n,:]) δ
         ws = WS[i]
-        flat = torch.baddbmm(update.reshape(mix.shape[0], 2, -1), mix, ws.reshape(mix.shape[0], 2, -1))
-        WS_new.append(flat.view_as(ws))
+        if channels:
+            update_w = a.transpose(-1, -2) @ (-C[..., -1, :].transpose(-1, -2) * deltas[i])
+            w_new = dec.beta[..., -1].unsqueeze(-2) * w0 + dec.c[..., -1].unsqueeze(-2) * s0 + update_w
+            s_new = e_n[..., None, None] * s0 + (momentum_coef * a).transpose(-1, -2) @ deltas[i]
+            WS_new.append(torch.cat([w_new, s_new], dim=-2))
+        else:
+            weight_coef = -C[..., -1, :].unsqueeze(-1)
+            update = torch.cat([weight_coef * a, momentum_coef * a], dim=-1).transpose(-1, -2) @ deltas[i]
+            mix = torch.stack([dec.beta[..., -1], dec.c[..., -1], torch.zeros_like(e_n), e_n], dim=-1).view(-1, 2, 2)
+            flat = torch.baddbmm(update.reshape(mix.shape[0], 2, -1), mix, ws.reshape(mix.shape[0], 2, -1))
+            WS_new.append(flat.view_as(ws))
+        h = sigma(z) if i < depth - 1 else z
+    y = q + h if residual else h
     return y, tuple(WS_new)
 
 
@@ -128,7 +143,7 @@ def _run_chunks(
     v: Tensor,
     theta: Theta,
     eta: Tensor,
-    alpha: Tensor,
+    alpha: Alpha,
     offset: int,
     chunk_size: int,
     activation: str,
@@ -139,13 +154,19 @@ def _run_chunks(
     seq = k.shape[2]
     n = min(chunk_size, seq)
     chunks = seq // n
-    # Decays for all chunks at once: gates [b, h, chunks, n].
-    decays = chunk_decays(eta.unflatten(-1, (chunks, n)), alpha.unflatten(-1, (chunks, n)))
+    # Decays for all chunks at once: gates [b, h, chunks, n] (α per channel: [b, h, chunks, n, d] per layer).
+    eta_chunks = eta.unflatten(-1, (chunks, n))
+    if isinstance(alpha, Tensor):
+        layer_decays = (chunk_decays(eta_chunks, alpha.unflatten(-1, (chunks, n))),)  # one, shared by every layer
+    else:
+        shared = chunk_decays(eta_chunks, torch.zeros_like(eta_chunks))
+        layer_decays = tuple(channel_decays(shared, a.unflatten(2, (chunks, n))) for a in alpha)
     theta_chunks = theta.unflatten(-1, (chunks, n)) if isinstance(theta, Tensor) else theta
     outputs = []
     for j in range(chunks):
         sl = slice(j * n, (j + 1) * n)
-        step_decays = Decays(*(x[:, :, j] for x in decays))
+        step_decays = tuple(Decays(*(x[:, :, j] for x in decays)) for decays in layer_decays)
+        step_decays = step_decays * (len(WS) // len(step_decays))
         step_theta = theta_chunks[:, :, j] if isinstance(theta, Tensor) else theta
         y, WS = _chunk_step(
             WS, q[:, :, sl], k[:, :, sl], v[:, :, sl], step_theta, step_decays, offset + j * n, activation, residual,
@@ -154,6 +175,11 @@ def _run_chunks(
         WS = _bound_state(WS, rule.max_state_norm)
         outputs.append(y)
     return torch.cat(outputs, dim=2), WS
+
+
+def _alpha_slice(alpha: Alpha, sl: slice) -> Alpha:
+    """Tokens `sl` of the forgetting gate, scalar `[b, h, seq]` or per channel (one `[b, h, seq, d]` per layer)."""
+    return alpha[:, :, sl] if isinstance(alpha, Tensor) else tuple(a[:, :, sl] for a in alpha)
 
 
 def _fused_memory(q, k, v, theta, eta, alpha, weights, momentum, chunk_size, activation, residual,
@@ -177,7 +203,7 @@ def parallel_memory(
     v: Tensor,
     theta: Theta,
     eta: Tensor,
-    alpha: Tensor,
+    alpha: Alpha,
     weights: Weights,
     momentum: Optional[Weights] = None,
     chunk_size: int = 16,
@@ -199,6 +225,9 @@ def parallel_memory(
         eta: momentum decay η_t `[batch, heads, seq]` ("past surprise"), in [0, 1].
         alpha: forgetting α_t `[batch, heads, seq]`, in [0, 1]. The decays are computed in log space, so
             a gate of exactly η_t = 0 or α_t = 1 gets a zero gradient (values stay exact).
+            Or α per channel: a tuple with one `[batch, heads, seq, d_out]` tensor per memory layer, layer i's
+            output column j keeping (1 − α_t[i][j]) of its weights (the paper's later channel-wise forgetting; the
+            autograd path serves it, the fused kernels take the scalar gate only).
         weights: tuple of `[batch, heads, d_in, d_out]`, the memory MLP's layers at the start.
         momentum: same shapes; zeros when None.
         chunk_size: tokens per chunk b; gradients of a chunk are all taken at its starting weights.
@@ -222,8 +251,8 @@ def parallel_memory(
         checkpoint_chunks: when autograd is recording, recompute groups of this many chunks in the backward
             pass so memory holds one state per group instead of per chunk. None: no recomputation.
         implementation: "fused" (default; `fused.py`: hand-written backward, reused buffers) or "autograd"
-            (this module's chunk loop under autograd: slower, but twice differentiable). A callable θ always
-            takes the autograd path.
+            (this module's chunk loop under autograd: slower, but twice differentiable). A callable θ and a
+            channel-wise α always take the autograd path.
 
     A sequence whose length is not a multiple of `chunk_size` ends with a ragged chunk. The state is
     kept in the dtype of `weights` (use float32 there even when q/k/v are bf16).
@@ -240,8 +269,9 @@ def parallel_memory(
     q, k, v = (t.to(state_dtype) for t in (q, k, v))
     if isinstance(theta, Tensor):
         theta = theta.to(state_dtype)
-    eta, alpha = eta.to(state_dtype), alpha.to(state_dtype)
-    if implementation == "fused" and isinstance(theta, Tensor) and k.shape[2] > 0:
+    eta = eta.to(state_dtype)
+    alpha = alpha.to(state_dtype) if isinstance(alpha, Tensor) else tuple(a.to(state_dtype) for a in alpha)
+    if implementation == "fused" and isinstance(theta, Tensor) and isinstance(alpha, Tensor) and k.shape[2] > 0:
         y, W, S = _fused_memory(q, k, v, theta, eta, alpha, weights, momentum, chunk_size, activation, residual,
                                 checkpoint_chunks, rule)
         return y.to(out_dtype), W, S
@@ -260,7 +290,7 @@ def parallel_memory(
     def run(start: int, end: int, WS: Weights) -> tuple[Tensor, Weights]:
         sl = slice(start, end)
         th = theta[:, :, sl] if isinstance(theta, Tensor) else theta
-        return _run_chunks(WS, q[:, :, sl], k[:, :, sl], v[:, :, sl], th, eta[:, :, sl], alpha[:, :, sl], start,
+        return _run_chunks(WS, q[:, :, sl], k[:, :, sl], v[:, :, sl], th, eta[:, :, sl], _alpha_slice(alpha, sl), start,
                            chunk_size, activation, residual, rule)
 
     outputs = []

@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .checks import Theta, check_memory_args, without_autocast
+from .checks import Alpha, Theta, check_memory_args, without_autocast
 from .mlp import Weights, grad_norm_scale, memory_apply, state_norm_scale
 
 
@@ -23,7 +23,7 @@ def sequential_memory(
     v: Tensor,
     theta: Theta,
     eta: Tensor,
-    alpha: Tensor,
+    alpha: Alpha,
     weights: Weights,
     momentum: Optional[Weights] = None,
     chunk_size: int = 16,
@@ -86,10 +86,12 @@ def sequential_memory(
                     step = step * torch.where(overlap > 0, gram[:, :, i, i] / overlap, torch.zeros_like(overlap))
                 theta_t = step[:, :, None, None]
                 eta_t = eta[:, :, s_, None, None]
-                keep_t = 1.0 - alpha[:, :, s_, None, None]
+                # 1 − α_t per layer: one number, or one per output column (channel-wise α)
+                keep_t = ([1.0 - alpha[:, :, s_, None, None]] * len(W) if isinstance(alpha, Tensor)
+                          else [1.0 - a[:, :, s_, None, :] for a in alpha])
                 # eq. 12, each layer at its step (ρ θ_t for the hidden layers, θ_t for the last)
                 S = tuple(eta_t * m - rho * theta_t * g for m, g, rho in zip(S, grads[s_ - start], layer_steps))
-                W = tuple(keep_t * w + m for w, m in zip(W, S))  # eq. 13: W_t = (1 − α_t) W_{t-1} + S_t
+                W = tuple(keep * w + m for keep, w, m in zip(keep_t, W, S))  # eq. 13: W_t = (1 − α_t) W_{t-1} + S_t
             outputs.append(memory_apply(q[:, :, t : t + 1], W, activation, residual))  # eq. 15: y_t = M(q_t; W_t)
         if max_state_norm is not None:  # the bounded state: W and S back on their balls at the chunk's end
             W = tuple(w * state_norm_scale(w, max_state_norm) for w in W)

@@ -20,7 +20,8 @@ def build_memory(cfg: TitansConfig, **overrides: Any) -> NeuralMemory:
     options = dict(
         heads=cfg.memory_heads or cfg.heads, depth=cfg.memory_depth, expansion=cfg.memory_expansion,
         chunk_size=cfg.chunk_size, max_lr=cfg.max_lr, activation=cfg.memory_activation, momentum=cfg.momentum,
-        forgetting=cfg.memory_forgetting, gates=cfg.memory_gates, residual=cfg.memory_residual,
+        forgetting=cfg.memory_forgetting, forgetting_channels=cfg.memory_forgetting_channels, gates=cfg.memory_gates,
+        residual=cfg.memory_residual,
         hidden_step=cfg.memory_hidden_step,
         conv_kernel=cfg.conv_kernel, gate_pooling=cfg.gate_pooling, surprise_gate=cfg.surprise_gate,
         init_theta=cfg.memory_init_theta, init_eta=cfg.memory_init_eta, init_alpha=cfg.memory_init_alpha,

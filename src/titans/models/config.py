@@ -46,6 +46,8 @@ class TitansConfig(Config):
     memory_activation: Literal["gelu", "silu"] = "gelu"  # paper: GELU
     momentum: bool = True  # η (past surprise); gated_deltanet always runs without
     memory_forgetting: bool = True  # α (the forgetting gate); False: α = 0, the paper's "w/o weight decay"
+    # α per output channel of every memory layer (the paper's later version) instead of one per token and head
+    memory_forgetting_channels: bool = False
     memory_gates: Literal["data", "constant"] = "data"  # constant: θ, η, α fixed at memory_init_* (not trained)
     memory_residual: bool = True  # M(k) = k + MLP(k); False with memory_depth 1 is the paper's linear memory k W
     # ρ: the hidden memory layers' inner step as a fraction of θ (1: the paper)
