@@ -169,6 +169,10 @@ def test_tmy3_files_that_are_not_consecutive_measured_hours_are_refused(tmp_path
     path.write_text(HEADER + body if body else HEADER.splitlines()[0] + "\n")
     with pytest.raises(ValueError, match=message):
         read_tmy3_wind(path)
+
+
+def test_tmy3_files_without_the_wind_speed_column_are_refused(tmp_path):
+    path = tmp_path / "site.csv"
     path.write_text(HEADER.replace("Wspd (m/s)", "Wdir (degrees)") + "01/01/1997,01:00,2.0\n")
     with pytest.raises(ValueError, match=r"no column\(s\) \['Wspd \(m/s\)'\]"):
         read_tmy3_wind(path)
