@@ -4,10 +4,10 @@ The data come from installed packages, never from the network, and neither packa
 they ship, so their own dependencies need not be installed):
 - pvlib ships two TMY3 files (typical meteorological years of the US National Solar Radiation Database, 8760 hourly
   rows of measured weather, each calendar month taken whole from one measured year): `703165TY.csv`, Sand Point,
-  Alaska (an island airport on the Aleutian coast, mean wind 5.1 m/s) and `723170TYA.CSV`, Greensboro, North
-  Carolina (an inland airport, mean 3.1 m/s). A TMY3 file's first line describes the station (USAF id, name, state,
-  time zone, latitude, longitude, elevation), its second names the columns; we read `Date (MM/DD/YYYY)`,
-  `Time (HH:MM)` (hour ending, 01:00 to 24:00) and `Wspd (m/s)`.
+  Alaska (an island airport in the Shumagin Islands off the Alaska Peninsula, mean wind 5.1 m/s at 10 m) and
+  `723170TYA.CSV`, Greensboro, North Carolina (an inland airport, mean 3.1 m/s). A TMY3 file's first line describes
+  the station (USAF id, name, state, time zone, latitude, longitude, elevation), its second names the columns; we
+  read `Date (MM/DD/YYYY)`, `Time (HH:MM)` (hour ending, 01:00 to 24:00) and `Wspd (m/s)`.
 - windpowerlib ships published power curves (`data/default_turbine_data/power_curves.csv`): one row per turbine
   type, the electrical output in W at the wind speeds of the header row, blank where the manufacturer gives none.
 
@@ -180,7 +180,10 @@ def power_curve_output(wind_speed: torch.Tensor, curve: PowerCurve) -> torch.Ten
 class WindOptions(TaskOptions):
     weather: str = "703165TY.csv"  # a TMY3 file name in weather_root (pvlib ships 703165TY.csv and 723170TYA.CSV)
     weather_root: Optional[str] = None  # folder holding it; None: pvlib's bundled data folder
-    turbine: str = "E-82/2350"  # a turbine type (row) of the power curve table
+    # a turbine type (row) of the power curve table. The default, Enercon's E-82 at 2.35 MW, is a widely built onshore
+    # turbine whose tabulated curve tops out at its nominal power (so dividing by the curve's maximum divides by the
+    # rated power) and runs to a 25 m/s cut-out; full output from 14 m/s
+    turbine: str = "E-82/2350"
     curves: Optional[str] = None  # a power_curves.csv; None: the one windpowerlib ships
     # the anemometer's height: 10 m, that of the airport stations (ASOS) TMY3 files are measured at
     measurement_height: float = Field(10.0, gt=0)
