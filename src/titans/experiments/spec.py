@@ -146,8 +146,7 @@ class Experiment(Config):
                               - set(self.baselines))
         if unknown_rows:
             raise ValueError(f"published.values names rows not in the grid (not a variant, an extra model or a "
-                             f"baseline): "
-                             f"{unknown_rows}")
+                             f"baseline): {unknown_rows}")
         if sorted(set(self.variant_overrides) - set(self.variants)):
             raise ValueError(f"variant_overrides names variants not in the grid: "
                              f"{sorted(set(self.variant_overrides) - set(self.variants))}")
