@@ -13,7 +13,7 @@ from titans.cli import app
 from titans.experiments import expand, experiment_names, load_experiment, run_experiment, write_report
 from titans.experiments.measure import memory_reader
 from titans.experiments.report import README_END, README_START, load_results
-from titans.experiments.runner import _train_or_error, finished, resumable, train_one
+from titans.experiments.runner import _train_or_error, finished, resumable, train_one, train_results
 from titans.tasks import measure_capacity
 from titans.train import build_model, build_task, train
 
@@ -44,7 +44,7 @@ def test_the_issue_experiments_are_shipped_and_load_in_both_tiers():
                 assert run.config.time_budget_s == full.time_budget_s and run.config.threads == 1
 
 
-@pytest.mark.parametrize("name", ["niah", "babilong", "mqar", "long", "sine"])
+@pytest.mark.parametrize("name", ["niah", "babilong", "mqar", "long", "sine", "wind"])
 def test_full_grids_are_parameter_matched(name):
     """Within a size, every variant of a train experiment has the same parameters to within 2%."""
     exp = load_experiment(name, folder=FOLDER)
@@ -289,6 +289,30 @@ def test_published_figures_stand_beside_ours_never_among_them(quick_results):
     assert "| swa | " in table and " | 0.0365 |" in table and "| lstm | not run | 0.0156 |" in table
 
 
+def test_a_baseline_row_is_what_the_runs_report_for_it(quick_results, tmp_path):
+    """wind's persistence row: no run of its own, the mean of the persistence loss the runs' evaluations report (on
+    the sequences their models were scored on), named as no model in the report."""
+    from titans.experiments.report import section
+
+    results_dir, runs_dir = quick_results
+    data = json.loads((results_dir / "wind.json").read_text())
+    assert data["baselines"] == {"persistence": "persistence_loss"}
+    assert "persistence" not in {run["model"] for run in data["runs"].values()}
+    (setting,) = data["panels"][""]["settings"]
+    reported = [json.loads((runs_dir / "wind" / run_id / "eval.json").read_text())["results"]["24"]["persistence_loss"]
+                for run_id in data["runs"]]
+    assert len(reported) == 2 and data["results"]["persistence"][setting] == pytest.approx(sum(reported) / 2)
+    assert "Rows that are no trained model: persistence (`persistence_loss`)" in \
+        section(data, results_dir / "wind.json", tmp_path / "wind.png", tmp_path)
+    (tmp_path / "b.yaml").write_text("tasks: {a: {name: passkey}}\nvariants: [lmm]\nbaselines: {persistence: "
+                                     "persistence_loss}\n")
+    exp = load_experiment("b", folder=tmp_path)
+    summary = {"results": {"256": {"loss": 1.0, "accuracy": 0.5}}, "num_parameters": 1, "step": 1, "train_seconds": 1}
+    with pytest.raises(ValueError, match="'persistence_loss', which run lmm-a-s0's evaluation does not report \\(it "
+                                         "reports loss, accuracy\\)"):
+        train_results(exp, expand(exp), [summary])
+
+
 def test_a_heat_map_over_two_model_settings(quick_results, tmp_path):
     """sine's gate grid: the rows that set both fields are the cells (the data-gated MAC stays in the table only)."""
     from titans.experiments.report import heatmap_cells, plot
@@ -317,6 +341,7 @@ BAD_EXPERIMENTS = {
     "map axis": ("tasks: {a: {name: passkey}}\nheatmap: {x: theta, y: memory_init_eta}\n", "model fields"),
     "quoted": ("tasks: {a: {name: passkey}}\npublished: {values: {lmm: 0.5}}\n", "source"),
     "stray": ("tasks: {a: {name: passkey}}\npublished: {source: x, values: {gpt: 0.5}}\n", "rows not in the grid"),
+    "baseline": ("tasks: {a: {name: passkey}}\nbaselines: {swa: loss}\n", "new row label"),
 }
 
 

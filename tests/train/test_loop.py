@@ -131,7 +131,33 @@ def test_series_tasks_train_a_forecaster(tiny_config, tmp_path):
     cfg = load_train_config(tiny_config, ["task.name=forecast_sine", "task.options={num_features: 3}",
                                           "steps=3", "model.variant=mag", "model.window=8"])
     result = train(cfg, tmp_path / "run", quiet=True)
-    assert set(result.evaluation[24]) == {"loss"} and 0 < result.evaluation[24]["loss"] < 10
+    assert set(result.evaluation[24]) == {"loss", "persistence_loss"} and 0 < result.evaluation[24]["loss"] < 10
+
+
+class Repeat(torch.nn.Module):
+    """The persistence forecast as a model: every position's forecast of the next step is its own input (for tokens,
+    logits that pick the input token)."""
+
+    def __init__(self, vocab_size=1):
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.unused = torch.nn.Parameter(torch.zeros(1))  # evaluate reads the parameters' dtype
+
+    def forward(self, x, state=None):
+        return (x if x.is_floating_point() else torch.nn.functional.one_hot(x, self.vocab_size).float()), state
+
+
+def test_persistence_loss_is_the_last_value_as_the_forecast_on_the_evaluated_sequences():
+    """A model that repeats its input scores exactly the persistence loss, and that loss is the mean squared
+    step of the evaluation sequences (the same rows evaluate draws: seeds (stream, seed, length, row))."""
+    task = get_task("forecast_sine", num_features=2)
+    result = evaluate(Repeat(), task, [30], batches=2, batch_size=3)[30]
+    batch = sample_rows(task, range(6), 30, loop.EVAL_STREAM, 0, 30)
+    steps = (batch.targets.double() - batch.inputs.double()) ** 2
+    assert result["persistence_loss"] == pytest.approx(steps.mean().item(), rel=1e-12)
+    assert result["loss"] == pytest.approx(result["persistence_loss"], rel=1e-6)  # the model's loss in float32
+    copy = get_task("copy")
+    assert "persistence_loss" not in evaluate(Repeat(copy.vocab_size), copy, [30], 1, 2)[30]  # token tasks: none
 
 
 def test_classification_tasks_train_a_classifier_scored_on_the_whole_test_split(tiny_config, tmp_path):

@@ -284,6 +284,10 @@ def section(data: dict[str, Any], json_path: Path, plot_path: Path, relative_to:
         parts += [data["about"], ""]
     better = "higher is better" if data["higher_is_better"] else "lower is better"
     parts += [f"Metric: {data['metric']} ({better}; the best of each column in bold).", ""]
+    if data.get("baselines"):
+        rows = ", ".join(f"{label} (`{metric}`)" for label, metric in data["baselines"].items())
+        parts += [f"Rows that are no trained model: {rows}, scored by every run's evaluation on the sequences its "
+                  "model was scored on.", ""]
     for name, panel in data["panels"].items():
         heading = [f"{name}:", ""] if name else []
         labels = [f"{data.get('x_label', 'x')} {x_text(x)}" if i == 0 else x_text(x) for i, x in enumerate(panel["x"])]

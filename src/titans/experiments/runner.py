@@ -9,8 +9,10 @@ The results JSON (`docs/results/<experiment>.json`) holds everything the report 
 
     {"experiment", "title", "about", "discussion", "tier", "command", "machine", "metric", "higher_is_better",
      "x_label", "x_axis", "published" (others' figures for the same experiment, or null), "heatmap" (or null),
+     "baselines" ({"<row>": "<metric>"}: rows that are no model, or null),
      "panels": {"<panel>": {"settings": [...], "x": [...]}},
-     "results": {"<model>": {"<setting>": value (the mean over seeds), ...}, ...},
+     "results": {"<model>": {"<setting>": value (the mean over seeds), ...}, ...} (baseline rows: the mean over the
+                 runs of the metric they report for it),
      "spread": {"<model>": {"<setting>": [min, max] over seeds}},
      "runs": {"<run id>": {"model", "panel", "task", "seed", "config", "num_parameters", "steps", "seconds",
                            "skipped_steps", "values": {"<setting>": value}, "error"?}}}
@@ -176,6 +178,10 @@ def train_results(exp: Experiment, runs: list[Run], summaries: list[dict[str, An
             value = None if "error" in summary else summary["results"][str(length)][exp.metric]
             values[setting] = value
             per_seed.setdefault(run.model, {}).setdefault(setting, []).append(value)
+            for label, metric in exp.baselines.items():
+                per_seed.setdefault(label, {}).setdefault(setting, []).append(
+                    None if "error" in summary else baseline_value(summary["results"][str(length)], label, metric,
+                                                                   run.run_id))
         records[run.run_id] = {
             "model": run.model, "panel": run.panel, "task": run.task, "seed": run.seed,
             "config": run.config.to_dict(), "values": values,
@@ -185,6 +191,13 @@ def train_results(exp: Experiment, runs: list[Run], summaries: list[dict[str, An
     results = {m: {s: mean(v) for s, v in by_setting.items()} for m, by_setting in per_seed.items()}
     spread = {m: {s: spread_of(v) for s, v in by_setting.items()} for m, by_setting in per_seed.items()}
     return {"panels": panels, "results": results, "spread": spread, "runs": records}
+
+
+def baseline_value(metrics: dict[str, float], label: str, metric: str, run_id: str) -> float:
+    if metric not in metrics:
+        raise ValueError(f"baseline {label!r} reads {metric!r}, which run {run_id}'s evaluation does not report (it "
+                         f"reports {', '.join(metrics)})")
+    return metrics[metric]
 
 
 def mean(values: list[float | None]) -> float | None:
@@ -216,6 +229,7 @@ def run_experiment(exp: Experiment, results_dir: Path, runs_dir: Path, jobs: int
               "machine": describe_machine(), "metric": exp.metric, "higher_is_better": exp.higher_is_better,
               "x_label": exp.x_label, "x_axis": exp.x_axis, "compare": [list(pair) for pair in exp.compare],
               "published": exp.published.to_dict() if exp.published.values else None,
+              "baselines": dict(exp.baselines) or None,
               "heatmap": exp.heatmap.to_dict() if exp.heatmap.x else None}
     if exp.kind == "train":
         runs = expand(exp)

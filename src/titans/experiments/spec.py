@@ -104,6 +104,9 @@ class Experiment(Config):
     variants: list[Variant] = Field(default_factory=lambda: list(VARIANTS), min_length=1)
     # label -> model changes naming their variant: rows beside the variants (a variant with another memory, say)
     extra_models: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    # label -> a metric of the runs' evaluation that scores a forecast made without a model on the same sequences
+    # (`persistence: persistence_loss`): a row beside the models, the mean over the runs of what they report
+    baselines: dict[str, str] = Field(default_factory=dict)
     sizes: dict[str, dict[str, Any]] = Field(default_factory=dict)  # label -> changes to `base`
     tasks: dict[str, TaskAxis] = Field(default_factory=dict)  # label -> task
     x_axis: Literal["length", "task"] = "length"
@@ -135,10 +138,15 @@ class Experiment(Config):
             if changes.get("variant") not in VARIANTS:
                 raise ValueError(f"extra_models.{label} must name its variant (one of {', '.join(VARIANTS)}), "
                                  f"got {changes.get('variant')!r}")
-        unknown_rows = sorted(set(self.published.values) - set(VARIANTS) - set(self.extra_models))
+        for label in self.baselines:
+            if label in VARIANTS or label in self.extra_models or not RUN_NAME.fullmatch(label.replace(" ", "-")):
+                raise ValueError(f"baselines: {label!r} must be a new row label (letters, digits, spaces, '-', '_', "
+                                 "'.'), not a variant's or an extra model's")
+        unknown_rows = sorted(set(self.published.values) - set(VARIANTS) - set(self.extra_models)
+                              - set(self.baselines))
         if unknown_rows:
-            raise ValueError(f"published.values names rows not in the grid (neither a variant nor an extra model): "
-                             f"{unknown_rows}")
+            raise ValueError(f"published.values names rows not in the grid (not a variant, an extra model or a "
+                             f"baseline): {unknown_rows}")
         if sorted(set(self.variant_overrides) - set(self.variants)):
             raise ValueError(f"variant_overrides names variants not in the grid: "
                              f"{sorted(set(self.variant_overrides) - set(self.variants))}")

@@ -8,6 +8,8 @@ options are read-only once built, so a task never changes under a running sample
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
 from typing import Any, ClassVar, NamedTuple, Optional, Union
 
 import torch
@@ -83,6 +85,15 @@ def random_windows(data: Tensor, batch_size: int, width: int, generator: torch.G
     """[batch_size, width, ...] windows of `data` (first dim is time) at uniform random offsets."""
     starts = torch.randint(0, len(data) - width + 1, (batch_size, 1), generator=generator)
     return data[starts + torch.arange(width)]
+
+
+def package_folder(package: str, install_hint: str) -> Path:
+    """The folder of an installed package, found without importing it (a task that reads the data files a package
+    ships needs neither its import time nor its dependencies); a ValueError with `install_hint` when it is missing."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(f"{package} is not installed: {install_hint}")
+    return Path(next(iter(spec.submodule_search_locations)))
 
 
 class TaskOptions(Config):

@@ -60,6 +60,22 @@ TIME_COLUMNS = {"date", "time", "timestamp", "datetime", "ds"}
 SPLIT_ENDS = {"train": (0.0, 0.7), "val": (0.7, 0.8), "test": (0.8, 1.0)}  # fractions of the rows, in time order
 
 
+def split_bounds(rows: int) -> dict[str, tuple[int, int]]:
+    """split -> (first row, end row) of a series of `rows` rows split 70/10/20 by time (`SPLIT_ENDS`)."""
+    return {split: (int(lo * rows), int(hi * rows)) for split, (lo, hi) in SPLIT_ENDS.items()}
+
+
+def next_step_windows(data: torch.Tensor, batch_size: int, length: int, generator: torch.Generator,
+                      where: str) -> SeriesBatch:
+    """Windows of `length` + 1 consecutive rows of `data` [rows, features] at random offsets, as inputs (the first
+    `length` rows) and targets (the same rows one step later); `where` names the data in the error when it is too
+    short."""
+    if len(data) < length + 1:
+        raise ValueError(f"length {length} is too long for {where}: it has {len(data)} rows, fewer than length + 1")
+    windows = random_windows(data, batch_size, length + 1, generator)
+    return SeriesBatch(windows[:, :-1], windows[:, 1:])
+
+
 class CsvOptions(TaskOptions):
     path: str = ""  # the CSV file (required: the default is refused)
     # numeric columns to use (at least one); None = every numeric non-timestamp column
@@ -154,7 +170,7 @@ class ForecastCsv(Task):
         path = Path(options.path)
         self.columns, values = read_numeric_csv(path, options.columns)
         rows = len(values)
-        bounds = {split: (int(lo * rows), int(hi * rows)) for split, (lo, hi) in SPLIT_ENDS.items()}
+        bounds = split_bounds(rows)
         train = values[slice(*bounds["train"])]
         if len(train) < 2 or any(hi <= lo for lo, hi in bounds.values()):
             raise ValueError(f"CSV file {path} is too short ({rows} rows) to split 70/10/20 into train/val/test")
@@ -166,8 +182,5 @@ class ForecastCsv(Task):
         self.num_features = len(self.columns)
 
     def _generate(self, batch_size: int, length: int, generator: torch.Generator) -> SeriesBatch:
-        if len(self.data) < length + 1:
-            raise ValueError(f"length {length} is too long for the {self.options.split} split of "
-                             f"{self.options.path}: it has {len(self.data)} rows, fewer than length + 1")
-        windows = random_windows(self.data, batch_size, length + 1, generator)
-        return SeriesBatch(windows[:, :-1], windows[:, 1:])
+        return next_step_windows(self.data, batch_size, length, generator,
+                                 f"the {self.options.split} split of {self.options.path}")

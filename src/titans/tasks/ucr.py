@@ -18,7 +18,6 @@ no validation split: the held-out split is TEST, and evaluation reads every seri
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from functools import cached_property
 from pathlib import Path
@@ -27,7 +26,7 @@ from typing import Literal, NamedTuple, Optional
 import torch
 from pydantic import model_validator
 
-from .base import LabelBatch, Task, TaskOptions, register
+from .base import LabelBatch, Task, TaskOptions, package_folder, register
 
 SPLITS = ("train", "test")
 INSTALL_HINT = ("the UCR sets are read from the files the aeon package ships: pip install aeon (the titans extra "
@@ -124,10 +123,7 @@ def read_ts(path: str | Path) -> TsData:
 
 def bundled_root() -> Path:
     """The folder of UCR sets inside the installed aeon package (found without importing it)."""
-    spec = importlib.util.find_spec("aeon")
-    if spec is None or not spec.submodule_search_locations:
-        raise ValueError(f"aeon is not installed: {INSTALL_HINT}")
-    return Path(next(iter(spec.submodule_search_locations))) / "datasets" / "data"
+    return package_folder("aeon", INSTALL_HINT) / "datasets" / "data"
 
 
 def load_ucr(dataset: str, root: Optional[str | Path] = None) -> dict[str, TsData]:

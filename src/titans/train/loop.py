@@ -186,13 +186,15 @@ def evaluate(model: nn.Module, task: Task, lengths: list[int], batches: int, bat
     scored position, and for token tasks exact-match accuracy (rows with every scored token right)
     and token accuracy, and bits per byte for the byte-level LM. A task that is a finite set (`Task.full_set`, a
     labelled split) is read whole instead, each example once, `batch_size` at a time (`batches` and `seed` unused);
-    classification reports the accuracy over its series and their number (`examples`). `piece`: read each
-    sequence that many tokens at a time through the model's state (None: in one call)."""
+    classification reports the accuracy over its series and their number (`examples`). Forecasting (series tasks)
+    also reports `persistence_loss`, the mean squared error on the same sequences of the forecast that the next step
+    equals the last one seen (`targets[t] = inputs[t]`): what a forecaster must beat to have learnt more than to
+    repeat. `piece`: read each sequence that many tokens at a time through the model's state (None: in one call)."""
     was_training = model.training
     model.eval()
     results = {}
     for length in lengths:
-        loss_sum, count, matches, right = 0.0, 0, 0.0, 0.0
+        loss_sum, count, matches, right, persistence = 0.0, 0, 0.0, 0.0, 0.0
         whole = task.full_set(length)
         if whole is None:
             parts = (sample_rows(task, range(b * batch_size, (b + 1) * batch_size), length, EVAL_STREAM, seed, length)
@@ -210,7 +212,11 @@ def evaluate(model: nn.Module, task: Task, lengths: list[int], batches: int, bat
                 right += token_accuracy(outputs, targets).item() * n
             elif isinstance(batch, LabelBatch):
                 matches += (outputs.argmax(-1) == batch.targets.to(outputs.device)).sum().item()
+            else:
+                persistence += F.mse_loss(batch.inputs.double(), batch.targets.double(), reduction="sum").item()
         metrics = {"loss": loss_sum / max(count, 1)}
+        if task.vocab_size is None and task.num_classes is None:
+            metrics["persistence_loss"] = persistence / max(count, 1)
         if task.num_classes is not None:
             metrics["accuracy"] = matches / max(count, 1)
             metrics["examples"] = count
