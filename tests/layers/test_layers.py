@@ -87,14 +87,39 @@ def test_banded_memory_is_linear_in_length(monkeypatch):
 
 @pytest.mark.parametrize("window, prefix", [(None, 0), (None, 2), (4, 0), (4, 3)])
 def test_attention_module_equals_reference(window, prefix):
+    """The module against the rule written out score by score: RoPE between ordinary tokens, a plain dot product
+    with a persistent (prefix) token, the visibility mask, an explicit softmax."""
     torch.manual_seed(0)
     attention = Attention(16, 2, window=window).to(DT)
     x = randn(2, 23, 16)
     y, _ = attention(x, prefix_len=prefix)
-    positions = torch.arange(23)
-    q, k, v = attention.project(x, positions)
-    plain = reference_attention(q, positions, k, v, positions, prefix, window)
-    assert (y - attention.merge(plain)).abs().max() <= 1e-12
+    plain = attention_module.reference_window_attention(attention, x, prefix)
+    assert (y - plain).abs().max() <= 1e-12
+    if prefix:  # the two-part queries and keys score the prefix without RoPE: the same through the plain softmax
+        positions = torch.arange(23)
+        q, k, v = attention.project(x, positions)
+        q_plain, k_plain, _ = attention.project(x, None)
+        q2, keys = attention_module.position_free_prefix(q, q_plain, k_plain[:, :, :prefix], k[:, :, prefix:])
+        two_part = reference_attention(q2, positions, keys, v, positions, prefix, window, scale=8**-0.5)
+        assert (attention.merge(two_part) - plain).abs().max() <= 1e-12
+
+
+@pytest.mark.parametrize("window", [None, 4])
+def test_persistent_prefix_carries_no_position(window):
+    """What a query draws from the persistent prefix does not depend on how far into the stream it is: with
+    the prefix alone visible besides the query itself (window 1), the output is the same at position 5 and 500.
+    (Through RoPE the prefix's phase would grow with the position, a clock that stops at the training length.)"""
+    torch.manual_seed(0)
+    attention = Attention(16, 2, window=1 if window else None).to(DT)
+    prefix, token = randn(1, 3, 16), randn(1, 1, 16, seed=1)
+    outputs = []
+    for filler in (2, 497):
+        _, cache = attention(torch.cat([prefix, randn(1, filler, 16, seed=2)], 1), prefix_len=3)
+        outputs.append(attention(token, cache)[0])
+    if window:
+        assert (outputs[0] - outputs[1]).abs().max() <= 1e-12
+    else:  # full attention also reads the filler, so only the prefix's part is position-free
+        assert outputs[0].shape == outputs[1].shape
 
 
 @pytest.mark.parametrize("window, prefix", [(None, 0), (4, 0), (4, 3), (None, 2)])

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from titans import TitansConfig, TitansLM
-from titans.layers.attention import reference_attention
+from titans.layers.attention import reference_window_attention
 from titans.memory import NeuralMemory
 from titans.models import VARIANTS, load_state, sample_next, save_state
 from titans.models.state_io import _flatten
@@ -383,20 +383,12 @@ def test_mac_follows_the_paper_order():
     assert (out - torch.cat(outputs, 1)).abs().max() <= 1e-12
 
 
-def _windowed_attention_with_prefix(attention, x_tilde, n_prefix):
-    """Sliding-window attention over x̃ written from its definition: the plain masked softmax, every query
-    seeing the persistent prefix and the last `window` tokens."""
-    positions = torch.arange(x_tilde.shape[1])
-    q, k, v = attention.project(x_tilde, positions)
-    return attention.merge(reference_attention(q, positions, k, v, positions, n_prefix, attention.window))
-
-
 def test_mag_follows_the_paper():
     """Eqs. 26-28: x̃ = [p ‖ x], y = SW-Attn*(x̃) with the prefix always visible, o = norm(y) ⊙ σ(norm(M(x̃)))."""
     mixer = tiny_model("mag").backbone.blocks[0].mixer
     x = torch.randn(2, 14, 16, dtype=DT, generator=torch.Generator().manual_seed(7))  # 16 > prefix 2 + window 5
     x_tilde = mixer.persistent.prepend(x)
-    y = _windowed_attention_with_prefix(mixer.attention, x_tilde, 2)
+    y = reference_window_attention(mixer.attention, x_tilde, 2)
     m, _ = mixer.memory(x_tilde)
     expected = (mixer.norm_attention(y) * torch.sigmoid(mixer.norm_memory(m)))[:, 2:]
     assert (mixer(x)[0] - expected).abs().max() <= 1e-12
@@ -408,7 +400,7 @@ def test_mal_follows_the_paper():
     x = torch.randn(2, 14, 16, dtype=DT, generator=torch.Generator().manual_seed(8))
     x_tilde = mixer.persistent.prepend(x)
     y, _ = mixer.memory(x_tilde)
-    expected = _windowed_attention_with_prefix(mixer.attention, mixer.norm(y), 2)[:, 2:]
+    expected = reference_window_attention(mixer.attention, mixer.norm(y), 2)[:, 2:]
     assert (mixer(x)[0] - expected).abs().max() <= 1e-12
 
 

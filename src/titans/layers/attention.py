@@ -6,7 +6,9 @@ Three shapes:
    key j is visible to query i when j ≤ i and (j is a prefix token, or i − j < window). Positions are
    absolute, so a stream fed in pieces with its `KVCache` gives the same outputs as one call. Long
    sequences run in query blocks of max(window, 64) queries, each against its own key band plus the
-   prefix, so memory is O(T · window), not O(T²).
+   prefix, so memory is O(T · window), not O(T²). Persistent tokens carry no position: query i scores
+   prefix key p as q_i · k_p, not through RoPE, whose phase between them would grow with i and hand the
+   model a clock that only runs as far as the training length (`position_free_prefix`).
 3. MAC segment attention: queries are the segment's tokens x_i; keys are [persistent p (all visible) ‖
    retrieved memory tokens h (h_j visible iff j ≤ i, since h_j is read with x_j's query) ‖ x (causal)].
    The `SegmentCache` holds the current segment's h and x keys/values (≤ segment length each).
@@ -35,9 +37,9 @@ MIN_QUERY_BLOCK = 64
 
 @dataclasses.dataclass
 class KVCache:
-    """Keys/values (after RoPE) a stream still needs: the prefix, and at most `window` recent ones."""
+    """Keys/values a stream still needs: the prefix (no RoPE), and at most `window` recent ones (after RoPE)."""
 
-    prefix_k: Tensor  # [batch, heads, P, head_dim], always visible
+    prefix_k: Tensor  # [batch, heads, P, head_dim], always visible, without RoPE (persistent tokens have no position)
     prefix_v: Tensor
     k: Tensor  # [batch, heads, L, head_dim], positions pos − L .. pos − 1
     v: Tensor
@@ -58,9 +60,10 @@ class SegmentCache:
         return self.k_x.shape[2]
 
 
-def explicit_attention(q: Tensor, k: Tensor, v: Tensor, visible: Tensor) -> Tensor:
-    """softmax(q kᵀ / √d, masked to `visible`) v written out: the plain form the fused paths are tested against."""
-    scores = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+def explicit_attention(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, scale: Optional[float] = None) -> Tensor:
+    """softmax(q kᵀ · scale, masked to `visible`) v written out (scale 1/√d by default): the plain form the fused
+    paths are tested against."""
+    scores = (q @ k.transpose(-1, -2)) * (scale if scale is not None else 1 / math.sqrt(q.shape[-1]))
     return scores.masked_fill(~visible, float("-inf")).softmax(-1) @ v
 
 
@@ -75,13 +78,39 @@ def visibility(q_pos: Tensor, k_pos: Tensor, prefix_len: int, window: Optional[i
 
 
 def reference_attention(q: Tensor, q_pos: Tensor, k: Tensor, v: Tensor, k_pos: Tensor, prefix_len: int,
-                        window: Optional[int]) -> Tensor:
+                        window: Optional[int], scale: Optional[float] = None) -> Tensor:
     """Plain version: one mask over every key, explicit softmax."""
-    return explicit_attention(q, k, v, visibility(q_pos, k_pos, prefix_len, window))
+    return explicit_attention(q, k, v, visibility(q_pos, k_pos, prefix_len, window), scale)
+
+
+def reference_window_attention(attention: Attention, x: Tensor, prefix_len: int) -> Tensor:
+    """`Attention`'s rule on one whole stream x (its first `prefix_len` tokens persistent), score by score: RoPE's
+    (R_i q_i) · (R_j k_j) between ordinary tokens, the plain q_i · k_p with a persistent token, the visibility
+    mask, an explicit softmax. The plain form `Attention.forward` is tested against."""
+    positions = torch.arange(x.shape[1], device=x.device)
+    q_plain, k_plain, v = attention.project(x, None)
+    q, k = attention.rope(q_plain, positions), attention.rope(k_plain, positions)
+    scores = q @ k.transpose(-1, -2)
+    scores[..., :prefix_len] = q_plain @ k_plain[:, :, :prefix_len].transpose(-1, -2)
+    visible = visibility(positions, positions, prefix_len, attention.window)
+    y = (scores / math.sqrt(attention.head_dim)).masked_fill(~visible, float("-inf")).softmax(-1) @ v
+    return attention.merge(y)
+
+
+def position_free_prefix(q: Tensor, q_plain: Tensor, prefix_k: Tensor, band_k: Tensor) -> tuple[Tensor, Tensor]:
+    """Queries and keys (twice the head width) whose dot products are q_i · k_p for the persistent prefix and
+    RoPE's (R_i q_i) · (R_j k_j) for every other key: [R_i q_i ‖ q_i] against [0 ‖ k_p] and [R_j k_j ‖ 0], so one
+    attention call scores both (at the head width's scale, 1/√d, passed explicitly).
+
+    q `[b, h, n, d]` after RoPE and `q_plain` the same queries before it; `prefix_k` `[b, h, P, d]` without RoPE;
+    `band_k` `[b, h, L, d]` after it. Returns (q `[b, h, n, 2d]`, keys `[b, h, P + L, 2d]`, the prefix first)."""
+    keys = torch.cat([torch.cat([torch.zeros_like(prefix_k), prefix_k], dim=-1),
+                      torch.cat([band_k, torch.zeros_like(band_k)], dim=-1)], dim=2)
+    return torch.cat([q, q_plain], dim=-1), keys
 
 
 def banded_attention(q: Tensor, q_pos: Tensor, k: Tensor, v: Tensor, k_pos: Tensor, prefix_len: int,
-                     window: Optional[int], block: Optional[int] = None) -> Tensor:
+                     window: Optional[int], block: Optional[int] = None, scale: Optional[float] = None) -> Tensor:
     """Same result as `reference_attention`, through SDPA; with a window, query blocks of `block`
     (default max(window, MIN_QUERY_BLOCK)) only see their key band plus the prefix: O(T · window) memory.
 
@@ -90,7 +119,8 @@ def banded_attention(q: Tensor, q_pos: Tensor, k: Tensor, v: Tensor, k_pos: Tens
     """
     block = block or max(window or 0, MIN_QUERY_BLOCK)
     if window is None or k.shape[2] <= block + window:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=visibility(q_pos, k_pos, prefix_len, window))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=visibility(q_pos, k_pos, prefix_len, window),
+                                              scale=scale)
     n_prefix = int((k_pos < prefix_len).sum())
     band_pos = k_pos[n_prefix:]
     outputs = []
@@ -101,7 +131,7 @@ def banded_attention(q: Tensor, q_pos: Tensor, k: Tensor, v: Tensor, k_pos: Tens
         idx = torch.cat([torch.arange(n_prefix, device=k.device), torch.arange(lo, hi, device=k.device)])
         mask = visibility(qp, k_pos[idx], prefix_len, window)
         outputs.append(F.scaled_dot_product_attention(q[:, :, start : start + block], k[:, :, idx], v[:, :, idx],
-                                                      attn_mask=mask))
+                                                      attn_mask=mask, scale=scale))
     return torch.cat(outputs, dim=2)
 
 
@@ -189,26 +219,30 @@ class Attention(HeadProjections):
             self._check_kv_cache(cache, x.shape[0])
         pos = cache.pos if cache is not None else 0
         positions = torch.arange(pos, pos + x.shape[1], device=x.device)
-        q, k, v = self.project(x, positions)
-        if cache is None:
+        q_plain, k_plain, v = self.project(x, None)
+        q, k = self.rope(q_plain, positions), self.rope(k_plain, positions)
+        if cache is None:  # the prefix's keys are kept without RoPE: persistent tokens have no position
             empty = k[:, :, :0]
-            cache = KVCache(k[:, :, :prefix_len], v[:, :, :prefix_len], empty, empty, 0)
+            cache = KVCache(k_plain[:, :, :prefix_len], v[:, :, :prefix_len], empty, empty, 0)
             k, v, positions_kv = k[:, :, prefix_len:], v[:, :, prefix_len:], positions[prefix_len:]
         else:
             positions_kv = positions
         n_prefix, n_past = cache.prefix_k.shape[2], cache.k.shape[2]
-        keys = torch.cat([cache.prefix_k, cache.k, k], dim=2)
+        band_k = torch.cat([cache.k, k], dim=2)
         values = torch.cat([cache.prefix_v, cache.v, v], dim=2)
         if self.window is None and n_past == 0 and n_prefix == 0:  # plain causal: the fused causal kernel
-            y = F.scaled_dot_product_attention(q, keys, values, is_causal=True)
+            y = F.scaled_dot_product_attention(q, band_k, values, is_causal=True)
         else:
             k_pos = torch.cat([
                 torch.arange(n_prefix, device=x.device),
                 torch.arange(pos - n_past, pos, device=x.device),
                 positions_kv,
             ])
-            y = banded_attention(q, positions, keys, values, k_pos, n_prefix, self.window)
-        recent_k, recent_v = torch.cat([cache.k, k], dim=2), torch.cat([cache.v, v], dim=2)
+            keys = torch.cat([cache.prefix_k, band_k], dim=2)
+            if n_prefix:
+                q, keys = position_free_prefix(q, q_plain, cache.prefix_k, band_k)
+            y = banded_attention(q, positions, keys, values, k_pos, n_prefix, self.window, scale=self.head_dim**-0.5)
+        recent_k, recent_v = band_k, torch.cat([cache.v, v], dim=2)
         if self.window is not None:  # the cache never holds more than the window
             recent_k, recent_v = recent_k[:, :, -self.window :], recent_v[:, :, -self.window :]
         return self.merge(y), KVCache(cache.prefix_k, cache.prefix_v, recent_k, recent_v, pos + x.shape[1])
