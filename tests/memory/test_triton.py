@@ -165,3 +165,19 @@ def test_which_implementation_serves_a_call():
         serving_implementation("triton", q, theta, big)
     with pytest.raises(ValueError, match="implementation"):
         serving_implementation("cuda", q, theta, weights)
+
+
+def test_the_layer_runs_the_implementation_it_is_given():
+    """NeuralMemory(implementation=...) reaches parallel_memory: the Triton layer gives the fused layer's numbers
+    (float32, within 1e-5), and an unknown name is refused when the layer is built."""
+    from titans.memory import NeuralMemory
+
+    torch.manual_seed(0)
+    layers = [NeuralMemory(8, heads=2, depth=2, expansion=2, chunk_size=4, implementation=name).to(DEVICE)
+              for name in ("fused", "triton")]
+    layers[1].load_state_dict(layers[0].state_dict())
+    x = torch.randn(1, 6, 8, device=DEVICE)
+    outs = [layer(x)[0] for layer in layers]
+    assert (outs[0] - outs[1]).abs().max().item() <= 1e-5
+    with pytest.raises(ValueError, match="implementation"):
+        NeuralMemory(8, implementation="cuda")
