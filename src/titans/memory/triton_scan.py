@@ -278,6 +278,38 @@ def _layer_backward(d_r, beta, c, u_w, u_m, step, a, h, hW, hS, ha, Cha, C, W, S
 
 
 @triton.jit
+def _load_state(w1, s1, w2, s2, slot, D_IN, N1, D_OUT, BD: tl.constexpr, BN1: tl.constexpr, BV: tl.constexpr,
+                DEPTH: tl.constexpr, DT: tl.constexpr):
+    """Matrix `slot` of each of the four state buffers (`[slots, d_in, d_out]`); zeros for layer 2 at depth 1."""
+    cd = tl.arange(0, BD)
+    c1 = tl.arange(0, BN1)
+    cv = tl.arange(0, BV)
+    W1 = _load(w1 + slot * D_IN * N1, cd, c1, D_IN, N1, N1, DT)
+    S1 = _load(s1 + slot * D_IN * N1, cd, c1, D_IN, N1, N1, DT)
+    if DEPTH == 2:
+        W2 = _load(w2 + slot * N1 * D_OUT, c1, cv, N1, D_OUT, D_OUT, DT)
+        S2 = _load(s2 + slot * N1 * D_OUT, c1, cv, N1, D_OUT, D_OUT, DT)
+    else:
+        W2 = tl.zeros([BN1, BV], DT)
+        S2 = tl.zeros([BN1, BV], DT)
+    return W1, S1, W2, S2
+
+
+@triton.jit
+def _store_state(w1, s1, w2, s2, slot, W1, S1, W2, S2, D_IN, N1, D_OUT, BD: tl.constexpr, BN1: tl.constexpr,
+                 BV: tl.constexpr, DEPTH: tl.constexpr):
+    """`_load_state`'s inverse."""
+    cd = tl.arange(0, BD)
+    c1 = tl.arange(0, BN1)
+    cv = tl.arange(0, BV)
+    _store(w1 + slot * D_IN * N1, W1, cd, c1, D_IN, N1, N1)
+    _store(s1 + slot * D_IN * N1, S1, cd, c1, D_IN, N1, N1)
+    if DEPTH == 2:
+        _store(w2 + slot * N1 * D_OUT, W2, c1, cv, N1, D_OUT, D_OUT)
+        _store(s2 + slot * N1 * D_OUT, S2, c1, cv, N1, D_OUT, D_OUT)
+
+
+@triton.jit
 def _chunk_inputs(q_ptr, k_ptr, v_ptr, theta_ptr, beta_ptr, c_ptr, D_ptr, E_last_ptr, e_last_ptr, bh, j, seq,
                   num_chunks, D_IN, D_OUT, rows, cd, cv, CH: tl.constexpr, DT: tl.constexpr):
     """Chunk j's tokens and gate algebra for row bh; rows past the chunk's end read as zeros."""
@@ -316,31 +348,18 @@ def _scan_forward_kernel(
     bh = tl.program_id(0).to(tl.int64)
     rows = tl.arange(0, BN)
     cd = tl.arange(0, BD)
-    c1 = tl.arange(0, BN1)
     cv = tl.arange(0, BV)
-    size1 = D_IN * N1
-    size2 = N1 * D_OUT
     max_grad_norm = tl.load(params_ptr).to(DT)
     hidden_step = tl.load(params_ptr + 1).to(DT)
     radius1 = tl.load(params_ptr + 2).to(DT)
     radius2 = tl.load(params_ptr + 3).to(DT)
-    W1 = _load(w1_ptr + bh * size1, cd, c1, D_IN, N1, N1, DT)
-    S1 = _load(s1_ptr + bh * size1, cd, c1, D_IN, N1, N1, DT)
-    if DEPTH == 2:
-        W2 = _load(w2_ptr + bh * size2, c1, cv, N1, D_OUT, D_OUT, DT)
-        S2 = _load(s2_ptr + bh * size2, c1, cv, N1, D_OUT, D_OUT, DT)
-    else:
-        W2 = tl.zeros([BN1, BV], DT)
-        S2 = tl.zeros([BN1, BV], DT)
+    W1, S1, W2, S2 = _load_state(w1_ptr, s1_ptr, w2_ptr, s2_ptr, bh, D_IN, N1, D_OUT, BD, BN1, BV, DEPTH, DT)
     for j in range(first_chunk, last_chunk):
         if SAVE_EVERY > 0:
             if (j - first_chunk) % SAVE_EVERY == 0:
                 slot = ((j - first_chunk) // SAVE_EVERY) * BH + bh
-                _store(saved_w1 + slot * size1, W1, cd, c1, D_IN, N1, N1)
-                _store(saved_s1 + slot * size1, S1, cd, c1, D_IN, N1, N1)
-                if DEPTH == 2:
-                    _store(saved_w2 + slot * size2, W2, c1, cv, N1, D_OUT, D_OUT)
-                    _store(saved_s2 + slot * size2, S2, c1, cv, N1, D_OUT, D_OUT)
+                _store_state(saved_w1, saved_s1, saved_w2, saved_s2, slot, W1, S1, W2, S2, D_IN, N1, D_OUT, BD, BN1,
+                             BV, DEPTH)
         q, k, v, theta_raw, beta, c, D, E_last, e_n, last, n_valid = _chunk_inputs(
             q_ptr, k_ptr, v_ptr, theta_ptr, beta_ptr, c_ptr, D_ptr, E_last_ptr, e_last_ptr, bh, j, seq, num_chunks,
             D_IN, D_OUT, rows, cd, cv, CH, DT)
@@ -370,11 +389,7 @@ def _scan_forward_kernel(
                 S2 = S2 * f_s2
                 tl.store(scales_ptr + at + 2, f_w2.to(scales_ptr.dtype.element_ty))
                 tl.store(scales_ptr + at + 3, f_s2.to(scales_ptr.dtype.element_ty))
-    _store(end_w1 + bh * size1, W1, cd, c1, D_IN, N1, N1)
-    _store(end_s1 + bh * size1, S1, cd, c1, D_IN, N1, N1)
-    if DEPTH == 2:
-        _store(end_w2 + bh * size2, W2, c1, cv, N1, D_OUT, D_OUT)
-        _store(end_s2 + bh * size2, S2, c1, cv, N1, D_OUT, D_OUT)
+    _store_state(end_w1, end_s1, end_w2, end_s2, bh, W1, S1, W2, S2, D_IN, N1, D_OUT, BD, BN1, BV, DEPTH)
 
 
 @triton.jit
@@ -394,31 +409,15 @@ def _scan_backward_kernel(
     bh = tl.program_id(0).to(tl.int64)
     rows = tl.arange(0, BN)
     cd = tl.arange(0, BD)
-    c1 = tl.arange(0, BN1)
     cv = tl.arange(0, BV)
-    size1 = D_IN * N1
-    size2 = N1 * D_OUT
     max_grad_norm = tl.load(params_ptr).to(DT)
     hidden_step = tl.load(params_ptr + 1).to(DT)
-    dW1 = _load(d_w1 + bh * size1, cd, c1, D_IN, N1, N1, DT)
-    dS1 = _load(d_s1 + bh * size1, cd, c1, D_IN, N1, N1, DT)
-    if DEPTH == 2:
-        dW2 = _load(d_w2 + bh * size2, c1, cv, N1, D_OUT, D_OUT, DT)
-        dS2 = _load(d_s2 + bh * size2, c1, cv, N1, D_OUT, D_OUT, DT)
-    else:
-        dW2 = tl.zeros([BN1, BV], DT)
-        dS2 = tl.zeros([BN1, BV], DT)
+    dW1, dS1, dW2, dS2 = _load_state(d_w1, d_s1, d_w2, d_s2, bh, D_IN, N1, D_OUT, BD, BN1, BV, DEPTH, DT)
     for step_back in range(0, last_chunk - first_chunk):
         j = last_chunk - 1 - step_back
         slot = (j - first_chunk) * BH + bh
-        W1 = _load(saved_w1 + slot * size1, cd, c1, D_IN, N1, N1, DT)
-        S1 = _load(saved_s1 + slot * size1, cd, c1, D_IN, N1, N1, DT)
-        if DEPTH == 2:
-            W2 = _load(saved_w2 + slot * size2, c1, cv, N1, D_OUT, D_OUT, DT)
-            S2 = _load(saved_s2 + slot * size2, c1, cv, N1, D_OUT, D_OUT, DT)
-        else:
-            W2 = dW2
-            S2 = dS2
+        W1, S1, W2, S2 = _load_state(saved_w1, saved_s1, saved_w2, saved_s2, slot, D_IN, N1, D_OUT, BD, BN1, BV,
+                                     DEPTH, DT)
         if STATE_BOUND:  # the bounded state's factors are constants: its backward pass is a product with them
             at = (j * BH + bh) * (2 * DEPTH)
             dW1 = dW1 * tl.load(scales_ptr + at).to(DT)
@@ -529,11 +528,7 @@ def _scan_backward_kernel(
         dS1 = dS1_0
         dW2 = dW2_0
         dS2 = dS2_0
-    _store(d_w1 + bh * size1, dW1, cd, c1, D_IN, N1, N1)
-    _store(d_s1 + bh * size1, dS1, cd, c1, D_IN, N1, N1)
-    if DEPTH == 2:
-        _store(d_w2 + bh * size2, dW2, c1, cv, N1, D_OUT, D_OUT)
-        _store(d_s2 + bh * size2, dS2, c1, cv, N1, D_OUT, D_OUT)
+    _store_state(d_w1, d_s1, d_w2, d_s2, bh, dW1, dS1, dW2, dS2, D_IN, N1, D_OUT, BD, BN1, BV, DEPTH)
 
 
 # --- the autograd function ---------------------------------------------------------------------------
