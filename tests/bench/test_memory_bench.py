@@ -66,3 +66,14 @@ def test_machine_description_names_the_cpu(tmp_path):
     cpuinfo.write_text("processor\t: 0\nmodel name\t: Some CPU\nflags\t\t: fpu avx2\n")
     assert describe_machine(cpuinfo) == f"Some CPU, {os.cpu_count()} CPUs"
     assert describe_machine(tmp_path / "missing").endswith(f", {os.cpu_count()} CPUs")
+
+
+def test_bench_selects_the_implementation_and_refuses_unknown_ones(tmp_path):
+    args = ["bench", "memory", "--lengths", "16", "--dim", "8", "--expansion", "2", "--chunk-size", "4", "--batch", "1",
+            "--warmup", "0", "--repeats", "1", "--no-reference"]
+    result = CliRunner().invoke(app, args + ["--implementation", "autograd"])
+    assert result.exit_code == 0, result.output
+    assert "on cpu, implementation autograd" in result.output
+    for bad in (["--implementation", "cuda"], ["--device", "tpu"]):
+        result = CliRunner().invoke(app, args + bad)
+        assert result.exit_code != 0 and bad[1] in result.output

@@ -68,14 +68,23 @@ def memory(
     release_memory: bool = typer.Option(
         False, help="Run each point with glibc's MALLOC_MMAP_THRESHOLD_=128 KiB: freed tensors go back to the OS, so "
                     "the peak is live memory, not allocator retention (slower: every large allocation page-faults)."),
+    device: str = typer.Option("cpu", help="Where to run: cpu, or cuda (peak memory is then the GPU's allocated)."),
+    implementation: Optional[str] = typer.Option(
+        None, help="Our memory's chunk loop: fused, triton or autograd (parallel_memory's implementation); default: "
+                   "its own choice, triton on CUDA where installed, else fused."),
     out: Optional[Path] = typer.Option(None, help="Write the points as JSON here."),
 ) -> None:
     """NeuralMemory tokens/s (forward, forward+backward) and peak memory, against the reference."""
+    from ..memory.parallel import IMPLEMENTATIONS
     from .memory import best_of, format_rule_cost, format_table, reference_available, run_point
 
     seq_lens = _int_list(lengths, "lengths")
+    if device not in ("cpu", "cuda"):
+        raise typer.BadParameter(f"device must be cpu or cuda, got {device!r}")
+    if implementation is not None and implementation not in IMPLEMENTATIONS:
+        raise typer.BadParameter(f"implementation must be one of {', '.join(IMPLEMENTATIONS)}, got {implementation!r}")
     spec = dict(batch=batch, dim=dim, heads=heads, depth=depth, expansion=expansion, chunk_size=chunk_size,
-                repeats=repeats, warmup=warmup)
+                repeats=repeats, warmup=warmup, device=device, implementation=implementation)
     impls = ["titans"] + (["titans-paper"] if paper_rule else [])
     if reference and reference_available():
         impls.append("reference")
@@ -94,7 +103,8 @@ def memory(
                 done.append(point)
         points.extend(best_of(done) for done in runs.values())
     typer.echo(f"NeuralMemory dim {dim}, heads {heads}, depth {depth}, expansion {expansion}, chunk {chunk_size}, "
-               f"batch {batch}; best of {rounds} round(s) × {repeats} iteration(s); "
+               f"batch {batch}, on {device}, implementation {implementation or 'default'}; "
+               f"best of {rounds} round(s) × {repeats} iteration(s); "
                f"{__import__('torch').get_num_threads()} threads; allocator: "
                + ("MALLOC_MMAP_THRESHOLD_=131072" if release_memory else "glibc default"))
     typer.echo(f"machine: {describe_machine()}")

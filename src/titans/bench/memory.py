@@ -36,13 +36,16 @@ def _rss_mib() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def _build(impl: str, dim: int, heads: int, depth: int, expansion: int, chunk_size: int) -> torch.nn.Module:
+def _build(impl: str, dim: int, heads: int, depth: int, expansion: int, chunk_size: int,
+           implementation: Optional[str] = None) -> torch.nn.Module:
+    """The layer to measure; `implementation` picks ours's chunk loop (`parallel_memory`'s; None: its own choice)."""
     if impl in ("titans", "titans-paper"):  # the default rule, or the paper's unbounded one (bench stability's RULES)
         from titans.bench.stability import RULES
         from titans.memory import NeuralMemory
 
         rule = RULES["paper" if impl == "titans-paper" else "ours"]
-        return NeuralMemory(dim, heads=heads, depth=depth, expansion=expansion, chunk_size=chunk_size, **rule)
+        return NeuralMemory(dim, heads=heads, depth=depth, expansion=expansion, chunk_size=chunk_size,
+                            implementation=implementation, **rule)
     from titans_pytorch import NeuralMemory as ReferenceMemory
 
     return ReferenceMemory(
@@ -52,39 +55,52 @@ def _build(impl: str, dim: int, heads: int, depth: int, expansion: int, chunk_si
 
 
 def _worker(spec: dict) -> BenchPoint:
-    """Runs inside the subprocess: time forward and forward+backward, track peak RSS."""
+    """Runs inside the subprocess: time forward and forward+backward, track peak memory (resident on the CPU,
+    allocated on a GPU, whose work is waited for before each clock read)."""
     torch.manual_seed(0)
     point = BenchPoint(spec["impl"], spec["seq_len"], spec["batch"])
-    model = _build(spec["impl"], spec["dim"], spec["heads"], spec["depth"], spec["expansion"], spec["chunk_size"])
-    x = torch.randn(spec["batch"], spec["seq_len"], spec["dim"])
+    device = torch.device(spec.get("device", "cpu"))
+    model = _build(spec["impl"], spec["dim"], spec["heads"], spec["depth"], spec["expansion"], spec["chunk_size"],
+                   spec.get("implementation")).to(device)
+    x = torch.randn(spec["batch"], spec["seq_len"], spec["dim"]).to(device)
     tokens = spec["batch"] * spec["seq_len"]
-    base = _rss_mib()
+    cuda = device.type == "cuda"
+
+    def clock() -> float:
+        if cuda:
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    base = torch.cuda.memory_allocated(device) / 2**20 if cuda else _rss_mib()
     try:
         with torch.no_grad():
             for _ in range(spec["warmup"]):
                 model(x)
             times = []
             for _ in range(spec["repeats"]):
-                start = time.perf_counter()
+                start = clock()
                 model(x)
-                times.append(time.perf_counter() - start)
+                times.append(clock() - start)
         point.fwd_tok_s = tokens / min(times)
         times = []
         # Warm-up iterations let the allocator reach its steady state (the first ones page-fault on
         # fresh memory), which is what a training run sees after its first steps.
         for i in range(spec["warmup"] + spec["repeats"]):
             model.zero_grad(set_to_none=True)
-            start = time.perf_counter()
+            start = clock()
             y = model(x)[0]
             y.float().pow(2).mean().backward()
             if i >= spec["warmup"]:
-                times.append(time.perf_counter() - start)
+                times.append(clock() - start)
         point.fwd_bwd_tok_s = tokens / min(times)
     except (RuntimeError, MemoryError) as err:
         if "memory" not in str(err).lower() and not isinstance(err, MemoryError):
             raise
         point.status = "out of memory"
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB -> MiB on Linux
+    if cuda:
+        peak = torch.cuda.max_memory_allocated(device) / 2**20
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB -> MiB on Linux
     point.peak_mib = peak - base
     return point
 
@@ -117,10 +133,13 @@ def run_isolated(module: str, spec: dict, memory_cap_gib: float, timeout_s: floa
 
 
 def limit_address_space(spec: dict) -> dict:
-    """In the isolated process: apply the spec's address-space cap and thread count; the spec without the cap."""
+    """In the isolated process: apply the spec's address-space cap and thread count; the spec without the cap.
+    A run on a GPU gets no cap: the CUDA driver reserves far more address space than it uses, and the memory that
+    matters there is the device's (its own out-of-memory error ends the point)."""
     spec = dict(spec)
     cap = int(spec.pop("memory_cap_gib") * 2**30)
-    resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+    if not str(spec.get("device", "cpu")).startswith("cuda"):
+        resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
     torch.set_num_threads(spec.get("threads") or torch.get_num_threads())
     return spec
 

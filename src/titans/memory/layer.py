@@ -27,7 +27,7 @@ from ..layers.state import check_state_shapes, check_state_type
 from .checks import Alpha
 from .delta import delta_rule_memory
 from .mlp import ACTIVATIONS, Weights, memory_apply
-from .parallel import parallel_memory
+from .parallel import IMPLEMENTATIONS, parallel_memory
 
 
 def logit(p: float) -> float:
@@ -102,6 +102,9 @@ class NeuralMemory(nn.Module):
         checkpoint_chunks: chunks per recomputation group in training. None (default) chooses: every
             chunk's state is kept up to 64 chunks, beyond that groups of ⌈√chunks⌉ chunks are recomputed in the
             backward pass, so training holds O(√T) states instead of one per chunk; 0 disables it.
+        implementation: which `parallel_memory` implementation runs the chunk loop ("fused", "triton", "autograd");
+            None (default): `parallel.serving_implementation` decides ("triton" on CUDA where it serves the call,
+            else "fused"). Numbers only, not the model: every implementation computes the same rule.
     """
 
     def __init__(
@@ -131,8 +134,11 @@ class NeuralMemory(nn.Module):
         max_state_norm: Optional[float] = 10.0,
         normalize_chunk: bool = True,
         hidden_step: float = 1.0,
+        implementation: Optional[str] = None,
     ):
         super().__init__()
+        if implementation is not None and implementation not in IMPLEMENTATIONS:
+            raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None, got {implementation!r}")
         if dim < 1 or heads < 1 or dim % heads:
             raise ValueError(f"dim ({dim}) must be a positive multiple of heads ({heads})")
         if depth < 1:
@@ -180,6 +186,7 @@ class NeuralMemory(nn.Module):
         self.forgetting, self.gates, self.hidden_step = forgetting, gates, hidden_step
         self.forgetting_channels = forgetting_channels
         self.gate_pooling, self.surprise_gate, self.checkpoint_chunks = gate_pooling, surprise_gate, checkpoint_chunks
+        self.implementation = implementation
         self.max_grad_norm, self.max_state_norm = max_grad_norm, max_state_norm
         self.gradients, self.normalize_inputs, self.normalize_chunk = gradients, normalize_inputs, normalize_chunk
 
@@ -325,6 +332,7 @@ class NeuralMemory(nn.Module):
             chunk_size=self.chunk_size, activation=self.activation, residual=self.residual,
             checkpoint_chunks=self._checkpoint_group(k.shape[2]), max_grad_norm=self.max_grad_norm,
             max_state_norm=self.max_state_norm, normalize_chunk=self.normalize_chunk, hidden_step=self.hidden_step,
+            implementation=self.implementation,
         )
 
     # -------------------------------------------------------------------------------------- forward

@@ -13,6 +13,7 @@ the gradients are taken (at W⁰, as the paper's mini-batch gradient descent pre
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple, Optional
 
 import torch
@@ -182,18 +183,55 @@ def _alpha_slice(alpha: Alpha, sl: slice) -> Alpha:
     return alpha[:, :, sl] if isinstance(alpha, Tensor) else tuple(a[:, :, sl] for a in alpha)
 
 
-def _fused_memory(q, k, v, theta, eta, alpha, weights, momentum, chunk_size, activation, residual,
-                  checkpoint_chunks, rule: Rule) -> tuple[Tensor, Weights, Weights]:
-    """`parallel_memory` through `fused.MemoryScan`, which works on `[batch·heads, …]` contiguous tensors."""
+def _scan_memory(scan: type[torch.autograd.Function], q, k, v, theta, eta, alpha, weights, momentum, chunk_size,
+                 activation, residual, checkpoint_chunks, rule: Rule) -> tuple[Tensor, Weights, Weights]:
+    """`parallel_memory` through `fused.MemoryScan` or `triton_scan.TritonScan` (one contract), which work on
+    `[batch·heads, …]` contiguous tensors."""
     batch, heads = k.shape[:2]
     inputs = [t.reshape(batch * heads, *t.shape[2:]).contiguous() for t in (q, k, v, theta, eta, alpha)]
     state = [t.reshape(batch * heads, *t.shape[2:]).contiguous() for pair in zip(weights, momentum) for t in pair]
     record = torch.is_grad_enabled() and any(t.requires_grad for t in inputs + state)
     cfg = ScanConfig(chunk_size, activation, residual, rule.max_grad_norm, rule.max_state_norm, rule.normalize_chunk,
                      rule.hidden_step, checkpoint_chunks, record)
-    y, *final = MemoryScan.apply(cfg, *inputs, *state)
+    y, *final = scan.apply(cfg, *inputs, *state)
     final = [t.view(batch, heads, *t.shape[1:]) for t in final]
     return y.view(batch, heads, *y.shape[1:]), tuple(final[0::2]), tuple(final[1::2])
+
+
+IMPLEMENTATIONS = ("fused", "autograd", "triton")
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_scan():
+    """`triton_scan` (the Triton kernels), or None where triton is not installed."""
+    try:
+        from . import triton_scan
+    except ImportError:
+        return None
+    return triton_scan
+
+
+def serving_implementation(implementation: Optional[str], q: Tensor, theta: Theta, alpha: Alpha,
+                           weights: Weights) -> str:
+    """Which implementation runs a `parallel_memory` call: the one place that decides.
+
+    None picks "triton" where the kernels serve the call (CUDA tensors, triton installed, memory depth 1 or 2, state
+    matrices small enough to stay on chip: `triton_scan.unsupported`), else "fused". A callable θ (evaluated per
+    chunk on the chunk's surprise), a channel-wise α and an empty sequence always take "autograd". "triton" asked
+    for where the kernels cannot serve the call is an error naming why, not a silent fallback."""
+    if implementation is not None and implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None, got {implementation!r}")
+    if not isinstance(theta, Tensor) or not isinstance(alpha, Tensor) or q.shape[2] == 0:
+        return "autograd"
+    if implementation == "triton":
+        scan = _triton_scan()
+        reason = "triton is not installed (pip install 'titans[gpu]')" if scan is None else scan.unsupported(q, weights)
+        if reason is not None:
+            raise ValueError(f"implementation='triton' cannot serve this call: {reason}")
+    if implementation is None:  # triton is imported only for CUDA tensors
+        serves = q.is_cuda and (scan := _triton_scan()) is not None and scan.unsupported(q, weights) is None
+        return "triton" if serves else "fused"
+    return implementation
 
 
 @without_autocast
@@ -214,7 +252,7 @@ def parallel_memory(
     max_state_norm: Optional[float] = None,
     normalize_chunk: bool = False,
     hidden_step: float = 1.0,
-    implementation: str = "fused",
+    implementation: Optional[str] = None,
 ) -> tuple[Tensor, Weights, Weights]:
     """Run the Titans memory over a sequence; return (y, weights after the last token, momentum).
 
@@ -250,8 +288,11 @@ def parallel_memory(
             above see the whole gradient; ρ then scales the hidden layers' part of the step. Not in the paper.
         checkpoint_chunks: when autograd is recording, recompute groups of this many chunks in the backward
             pass so memory holds one state per group instead of per chunk. None: no recomputation.
-        implementation: "fused" (default; `fused.py`: hand-written backward, reused buffers) or "autograd"
-            (this module's chunk loop under autograd: slower, but twice differentiable). A callable θ and a
+        implementation: "fused" (`fused.py`: hand-written backward, reused buffers; the C++ chunk loop on CPUs),
+            "triton" (`triton_scan.py`: the chunk loop inside Triton kernels, one program per batch·head, state on
+            chip; memory depth 1 or 2; bf16 q/k/v read as such), or "autograd" (this module's chunk loop under
+            autograd: slower, but twice differentiable). None (default): "triton" on CUDA where it serves the
+            call, else "fused" (`serving_implementation`, the one place that decides). A callable θ and a
             channel-wise α always take the autograd path.
 
     A sequence whose length is not a multiple of `chunk_size` ends with a ragged chunk. The state is
@@ -262,18 +303,21 @@ def parallel_memory(
     rule = Rule(max_grad_norm, max_state_norm, normalize_chunk, float(hidden_step))
     if checkpoint_chunks is not None and (not isinstance(checkpoint_chunks, int) or checkpoint_chunks < 1):
         raise ValueError(f"checkpoint_chunks must be a positive integer or None, got {checkpoint_chunks!r}")
-    if implementation not in ("fused", "autograd"):
-        raise ValueError(f"implementation must be 'fused' or 'autograd', got {implementation!r}")
+    implementation = serving_implementation(implementation, q, theta, alpha, weights)
     out_dtype = q.dtype
     state_dtype = weights[0].dtype
-    q, k, v = (t.to(state_dtype) for t in (q, k, v))
     if isinstance(theta, Tensor):
         theta = theta.to(state_dtype)
     eta = eta.to(state_dtype)
     alpha = alpha.to(state_dtype) if isinstance(alpha, Tensor) else tuple(a.to(state_dtype) for a in alpha)
-    if implementation == "fused" and isinstance(theta, Tensor) and isinstance(alpha, Tensor) and k.shape[2] > 0:
-        y, W, S = _fused_memory(q, k, v, theta, eta, alpha, weights, momentum, chunk_size, activation, residual,
-                                checkpoint_chunks, rule)
+    if implementation == "triton":  # the kernels read bf16 q, k, v as they are and compute in the state's dtype
+        y, W, S = _scan_memory(_triton_scan().TritonScan, q, k, v, theta, eta, alpha, weights, momentum, chunk_size,
+                               activation, residual, checkpoint_chunks, rule)
+        return y.to(out_dtype), W, S
+    q, k, v = (t.to(state_dtype) for t in (q, k, v))
+    if implementation == "fused":
+        y, W, S = _scan_memory(MemoryScan, q, k, v, theta, eta, alpha, weights, momentum, chunk_size, activation,
+                               residual, checkpoint_chunks, rule)
         return y.to(out_dtype), W, S
     WS = tuple(torch.cat([w, s], dim=-2) for w, s in zip(weights, momentum))  # state stacked [W; S]
 
