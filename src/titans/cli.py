@@ -101,17 +101,17 @@ def parse_lengths(text: str) -> list[int]:
 
 
 def load_for_inference(ckpt: Path, device: str):
-    """(checkpoint path, config, task, model in eval mode) of a checkpoint, or of a run directory's latest."""
-    import torch
-
+    """(checkpoint path, config, task, model in eval mode) of a checkpoint, or of a run directory's latest; the model's
+    parameters in the dtype training kept them in (float32 for a bfloat16 run: its master weights)."""
     from .train import build_model, build_task
     from .train.checkpoint import load_checkpoint_config, load_weights, resolve_checkpoint
     from .train.loop import resolve_device
+    from .train.precision import parameter_dtype
 
     path = resolve_checkpoint(ckpt)
     cfg = load_checkpoint_config(path)
     task = build_task(cfg)
-    model = build_model(cfg, task).to(getattr(torch, cfg.dtype))
+    model = build_model(cfg, task).to(parameter_dtype(cfg.dtype))
     load_weights(path, model)
     return path, cfg, task, model.to(resolve_device(device)).eval()
 
@@ -156,7 +156,7 @@ def eval_command(
                          f"was trained on {trained_task.num_features}")
     batches, batch_size = batches or cfg.eval_batches, batch_size or cfg.eval_batch_size
     results = evaluate(model, eval_task, parse_lengths(lengths) if lengths else cfg.task.eval_lengths,
-                       batches, batch_size, seed, device=model_device(model))
+                       batches, batch_size, seed, device=model_device(model), precision=cfg.dtype)
     try:  # a checkpoint copied without its trainer state still evaluates; it cannot say how training went
         skipped = load_trainer_state(path)["skipped_steps"]
     except ValueError:

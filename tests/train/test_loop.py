@@ -189,15 +189,18 @@ def test_dropout_masks_depend_on_the_step_not_on_what_ran_before(tiny_config, tm
     trainer = Trainer(load_train_config(tiny_config, ["model.dropout=0.3"]), tmp_path / "run", quiet=True)
     trainer.step = 5
     model, optimizer = copy.deepcopy(trainer.model.state_dict()), copy.deepcopy(trainer.optimizer.state_dict())
-    first = trainer.train_step()
+    trainer.train_step()
+    first = trainer.last_read
     trainer.model.load_state_dict(model)
     trainer.optimizer.load_state_dict(optimizer)
     torch.rand(1000)  # the global RNG moved on
-    assert trainer.train_step() == first
+    trainer.train_step()
+    assert trainer.last_read == first
     trainer.model.load_state_dict(model)
     trainer.optimizer.load_state_dict(optimizer)
     trainer.rank = 1  # another DDP rank (and its rows of the batch): other masks
-    assert trainer.train_step()[0] != first[0]
+    trainer.train_step()
+    assert trainer.last_read.loss != first.loss
 
 
 def test_data_tasks_evaluate_on_their_validation_split(tiny_config, tmp_path):
@@ -240,8 +243,8 @@ def poison_steps(monkeypatch, steps):
     calls = {"n": 0}
     real = loop.loss_terms
 
-    def loss_terms(model, batch, device, piece=None):
-        total, outputs = real(model, batch, device, piece)
+    def loss_terms(model, batch, device, piece=None, precision="float32"):
+        total, outputs = real(model, batch, device, piece, precision)
         if torch.is_grad_enabled():  # training, not evaluation
             calls["n"] += 1
             if calls["n"] in steps:

@@ -322,6 +322,10 @@ class NeuralMemory(nn.Module):
         chunks = seq // self.chunk_size
         return math.isqrt(chunks - 1) + 1 if chunks > 64 else None
 
+    # torch.compile of a model leaves the memory's update to eager: its fused path calls the C++ chunk kernels (not
+    # traceable) from a custom autograd Function, and its checks and state bound read values on the host. The graph
+    # breaks here, once per call, on purpose (the projections, gates and output around it are compiled).
+    @torch.compiler.disable
     def _memory(self, q, k, v, gates, weights, momentum) -> tuple[Tensor, Weights, Weights]:
         theta, eta, alpha = self._gate_values(gates)
         if self.gradients == "token":  # no momentum: η is unused and the momentum state stays zero

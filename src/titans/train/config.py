@@ -17,6 +17,7 @@ from pydantic import Field, PositiveInt, model_validator
 from ..config import Config, FromList, apply_overrides, read_yaml_mapping
 from ..models.config import TitansConfig
 from ..tasks import Task, get_task
+from .precision import Precision
 
 # Fields that may change when a run is resumed: they do not touch the weights, the data stream or the
 # optimiser's trajectory up to the checkpoint (only how far it goes and what is logged along the way).
@@ -25,7 +26,7 @@ from ..tasks import Task, get_task
 RESUMABLE_CHANGES = frozenset({"name", "steps", "time_budget_s", "eval_every", "eval_batches", "eval_batch_size",
                                "eval_piece",
                                "checkpoint_every", "keep_checkpoints", "log_every", "max_skips_in_row", "device",
-                               "threads", "tensorboard", "task.eval_lengths"})
+                               "threads", "tensorboard", "compile", "task.eval_lengths"})
 
 # A run's name is the name of its directory (runs/<name>, demo/<name>): one path component that cannot climb out
 # of its parent (no separator, no leading dot so neither `.` nor `..`), in characters every filesystem takes.
@@ -81,7 +82,12 @@ class TrainConfig(Config):
     # stop (and checkpoint) once training took this long; None: no limit
     time_budget_s: Optional[float] = Field(None, gt=0)
     device: Literal["cpu", "cuda", "auto"] = "cpu"
-    dtype: Literal["float32", "float64"] = "float32"  # parameter and activation dtype
+    # float32 / float64: parameters and activations in that dtype; bfloat16: bf16 autocast over float32 parameters
+    # (the master weights) and a float32 memory state (train/precision.py)
+    dtype: Precision = "float32"
+    # torch.compile the model's training forward (evaluation runs uncompiled); the memory's chunk loop stays eager
+    # (NeuralMemory._memory is torch.compiler.disable'd: its C++ kernels and custom autograd Function do not trace)
+    compile: bool = False
     threads: Optional[int] = Field(None, ge=1, le=MAX_THREADS)  # torch intra-op threads; None: torch's default
     tensorboard: bool = True  # also write run_dir/tensorboard when the tensorboard package is installed
 

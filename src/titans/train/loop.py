@@ -41,6 +41,7 @@ from .checkpoint import (
     save_checkpoint,
 )
 from .config import OptimConfig, TrainConfig, check_model_fits_task, resume_mismatches
+from .precision import autocast, parameter_dtype
 
 TRAIN_STREAM, EVAL_STREAM = 1, 2  # keep the training and evaluation data streams disjoint
 DROPOUT_STREAM = 3  # the global RNG (dropout) is reseeded per (seed, step, rank)
@@ -116,8 +117,9 @@ def lr_at(step: int, optim: OptimConfig, total_steps: int) -> float:
     return floor + (optim.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def make_optimizer(model: nn.Module, optim: OptimConfig) -> torch.optim.AdamW:
-    """AdamW; weight decay only on the matrices of nn.Linear and nn.LSTM layers.
+def make_optimizer(model: nn.Module, optim: OptimConfig, fused: bool = False) -> torch.optim.AdamW:
+    """AdamW; weight decay only on the matrices of nn.Linear and nn.LSTM layers. `fused`: torch's fused kernel, which
+    also takes the skip decision on the device (`optimizer.found_inf`, `Trainer.train_step`).
 
     No decay on norms, biases, embeddings (also when tied to the output layer), persistent tokens,
     conv kernels or the memory's initial weights W_0: the last is a learned starting state that the
@@ -129,7 +131,7 @@ def make_optimizer(model: nn.Module, optim: OptimConfig) -> torch.optim.AdamW:
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if id(p) in decay_ids], "weight_decay": optim.weight_decay},
               {"params": [p for p in params if id(p) not in decay_ids], "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=optim.lr, betas=optim.betas, eps=optim.eps)
+    return torch.optim.AdamW(groups, lr=optim.lr, betas=optim.betas, eps=optim.eps, fused=fused)
 
 
 def scored_positions(batch: Batch) -> int:
@@ -161,27 +163,41 @@ def streamed_last(model: nn.Module, inputs: Tensor, piece: int | None) -> Tensor
     return model(inputs)[0] if piece is None else _pieces(model, inputs, piece)[-1]
 
 
+def to_device(t: Tensor, device: torch.device) -> Tensor:
+    """A CPU tensor on `device`. To a GPU through pinned memory, without waiting: a copy from pageable memory would
+    first wait for every kernel queued before it (a host sync per batch)."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def loss_terms(model: nn.Module, batch: Batch, device: torch.device,
-               piece: int | None = None) -> tuple[Tensor, Tensor]:
+               piece: int | None = None, precision: str = "float32") -> tuple[Tensor, Tensor]:
     """(sum of the per-position losses over the scored positions, model outputs); cross-entropy for
     token tasks and for classification (one loss per series), squared error for series. `piece`: read the sequence
-    that many positions at a time (`streamed`)."""
+    that many positions at a time (`streamed`). `precision`: the run's `dtype`; the forward pass runs in its autocast
+    (`precision.autocast`), the loss in the parameters' dtype (float32 master weights under bf16)."""
     dtype = next(model.parameters()).dtype
-    inputs, targets = batch.inputs.to(device), batch.targets.to(device)
+    inputs, targets = to_device(batch.inputs, device), to_device(batch.targets, device)
     if isinstance(batch, LabelBatch):
-        logits = streamed_last(model, inputs.to(dtype), piece)
-        return F.cross_entropy(logits.float(), targets, reduction="sum"), logits
+        with autocast(precision, device):
+            logits = streamed_last(model, inputs.to(dtype), piece)
+        return F.cross_entropy(logits.to(dtype), targets, reduction="sum"), logits
     if isinstance(batch, TokenBatch):
-        outputs = streamed(model, inputs, piece)
-        total = F.cross_entropy(outputs.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+        with autocast(precision, device):
+            outputs = streamed(model, inputs, piece)
+        total = F.cross_entropy(outputs.flatten(0, 1).to(dtype), targets.flatten(), ignore_index=IGNORE_INDEX,
+                                reduction="sum")
         return total, outputs
-    outputs = streamed(model, inputs.to(dtype), piece)
-    return F.mse_loss(outputs, targets.to(dtype), reduction="sum"), outputs
+    with autocast(precision, device):
+        outputs = streamed(model, inputs.to(dtype), piece)
+    return F.mse_loss(outputs.to(dtype), targets.to(dtype), reduction="sum"), outputs
 
 
 @torch.no_grad()
 def evaluate(model: nn.Module, task: Task, lengths: list[int], batches: int, batch_size: int, seed: int = 0,
-             device: torch.device | str = "cpu", piece: int | None = None) -> dict[int, dict[str, float]]:
+             device: torch.device | str = "cpu", piece: int | None = None,
+             precision: str = "float32") -> dict[int, dict[str, float]]:
     """Per length, on `batches` x `batch_size` sequences drawn from (seed, length, row): mean loss per
     scored position, and for token tasks exact-match accuracy (rows with every scored token right)
     and token accuracy, and bits per byte for the byte-level LM. A task that is a finite set (`Task.full_set`, a
@@ -189,7 +205,9 @@ def evaluate(model: nn.Module, task: Task, lengths: list[int], batches: int, bat
     classification reports the accuracy over its series and their number (`examples`). Forecasting (series tasks)
     also reports `persistence_loss`, the mean squared error on the same sequences of the forecast that the next step
     equals the last one seen (`targets[t] = inputs[t]`): what a forecaster must beat to have learnt more than to
-    repeat. `piece`: read each sequence that many tokens at a time through the model's state (None: in one call)."""
+    repeat. `piece`: read each sequence that many tokens at a time through the model's state (None: in one call).
+    `precision`: the `dtype` the model was trained in (`loss_terms`), bfloat16 evaluating under bf16 autocast as it
+    trained."""
     was_training = model.training
     model.eval()
     results = {}
@@ -203,7 +221,7 @@ def evaluate(model: nn.Module, task: Task, lengths: list[int], batches: int, bat
             parts = (type(whole)(*(t[i:i + batch_size] for t in whole)) for i in range(0, len(whole.targets),
                                                                                        batch_size))
         for batch in parts:
-            batch_loss, outputs = loss_terms(model, batch, torch.device(device), piece)
+            batch_loss, outputs = loss_terms(model, batch, torch.device(device), piece, precision)
             n = scored_positions(batch)
             loss_sum, count = loss_sum + batch_loss.item(), count + n
             if isinstance(batch, TokenBatch):
@@ -295,6 +313,21 @@ def _scalars(record: dict[str, Any], prefix: str = "") -> list[tuple[str, float]
 
 
 @dataclass
+class StepRead:
+    """A training step's numbers as read back from the device: the loss and gradient norm, and whether its update was
+    applied (both finite)."""
+
+    step: int  # 1-based: the step count once it ran
+    loss: float
+    lr: float
+    grad_norm: float
+
+    @property
+    def applied(self) -> bool:
+        return math.isfinite(self.loss) and math.isfinite(self.grad_norm)
+
+
+@dataclass
 class TrainResult:
     step: int
     final_loss: float  # training loss of the last step
@@ -309,9 +342,16 @@ class Trainer:
 
     Under torch.distributed (torchrun) the model is wrapped in DistributedDataParallel, each rank
     takes its share of the global batch, and rank 0 alone logs, checkpoints and evaluates.
+
+    Host syncs. On a GPU (`defer_reads`, default there) a step reads nothing back: its loss and gradient norm stay on
+    the device until the next log line, evaluation or checkpoint reads every step since in one sync, and a step whose
+    loss or gradient is not finite is skipped on the device by the fused AdamW (`found_inf`, the flag mixed-precision
+    loss scaling uses). Skips are counted, logged and checked against `max_skips_in_row` when they are read, in step
+    order, so the records are those of a run that reads every step; only the error for too many skips in a row may
+    come up to `log_every` steps late. On the CPU a read costs nothing and every step is read at once.
     """
 
-    def __init__(self, cfg: TrainConfig, run_dir: Path, quiet: bool = False):
+    def __init__(self, cfg: TrainConfig, run_dir: Path, quiet: bool = False, defer_reads: bool | None = None):
         self.cfg, self.run_dir, self.quiet = cfg, Path(run_dir), quiet
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
@@ -324,12 +364,17 @@ class Trainer:
         self.device = resolve_device(cfg.device, int(os.environ.get("LOCAL_RANK", self.rank)))
         torch.manual_seed(cfg.seed)
         self.task, self.eval_task = checked_tasks(cfg)
-        self.model = build_model(cfg, self.task).to(self.device, getattr(torch, cfg.dtype))
+        self.model = build_model(cfg, self.task).to(self.device, parameter_dtype(cfg.dtype))
         self.train_model: nn.Module = self.model
         if self.distributed:
             device_ids = [self.device.index] if self.device.type == "cuda" else None
             self.train_model = nn.parallel.DistributedDataParallel(self.model, device_ids=device_ids)
-        self.optimizer = make_optimizer(self.model, cfg.optim)
+        if cfg.compile:  # the training forward only: evaluation reads other lengths (each a recompile) and no grads
+            self.train_model = torch.compile(self.train_model)
+        self.defer_reads = self.device.type == "cuda" if defer_reads is None else defer_reads
+        self.optimizer = make_optimizer(self.model, cfg.optim, fused=self.defer_reads)
+        self.unread: list[tuple[int, float, Tensor]] = []  # (step, lr, [loss, grad norm] on the device) not yet read
+        self.last_read: StepRead | None = None  # the newest step read
         self.step = 0
         self.train_seconds = 0.0
         self.skipped_steps = 0  # optimiser steps skipped for a non-finite loss or gradient, in all
@@ -349,6 +394,7 @@ class Trainer:
         """Checkpoint the current step (rank 0; once per step)."""
         if self.saved_step == self.step:
             return
+        self.read_steps()  # the skip counters go into the checkpoint
         if self.rank == 0:
             save_checkpoint(self.run_dir, self.step, self.model, self.state_dict(), self.cfg,
                             keep=self.cfg.keep_checkpoints)
@@ -388,8 +434,9 @@ class Trainer:
         return True
 
     # ---------------------------------------------------------------------------------------- loop
-    def train_step(self) -> tuple[float, float, float]:
-        """One optimiser step on the global batch of `self.step`: (loss, learning rate, gradient norm)."""
+    def train_step(self) -> None:
+        """One optimiser step on the global batch of `self.step`, skipped when its loss or gradient is not finite;
+        its numbers go to `unread` (read at once unless `defer_reads`)."""
         cfg = self.cfg
         accum = cfg.optim.grad_accum
         micro_size = cfg.batch_size // accum
@@ -405,7 +452,7 @@ class Trainer:
             first = m * micro_size + self.rank * per_rank
             batches.append(sample_rows(self.task, range(first, first + per_rank), cfg.task.train_length,
                                        TRAIN_STREAM, cfg.seed, self.step))
-        global_count = torch.tensor(float(sum(scored_positions(b) for b in batches)), device=self.device)
+        global_count = to_device(torch.tensor(float(sum(scored_positions(b) for b in batches))), self.device)
         if self.distributed:
             dist.all_reduce(global_count)
         scale = self.world / global_count.clamp_min(1)
@@ -415,34 +462,55 @@ class Trainer:
             # gradients are all-reduced once, after the last micro-batch
             syncing = not self.distributed or m == accum - 1
             with contextlib.nullcontext() if syncing else self.train_model.no_sync():
-                batch_loss, _ = loss_terms(self.train_model, batch, self.device)
+                batch_loss, _ = loss_terms(self.train_model, batch, self.device, precision=cfg.dtype)
                 (batch_loss * scale).backward()
             loss_sum += batch_loss.detach()
         if self.distributed:
             dist.all_reduce(loss_sum)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.optim.grad_clip or math.inf)
-        loss = (loss_sum / global_count.clamp_min(1)).item()
-        if math.isfinite(loss) and torch.isfinite(grad_norm):
+        loss = loss_sum / global_count.clamp_min(1)
+        finite = torch.isfinite(loss) & torch.isfinite(grad_norm)
+        if self.defer_reads:
+            # The fused AdamW leaves the weights, moments and step count as they were where found_inf is 1.
+            self.optimizer.found_inf = (~finite).float()
             self.optimizer.step()
-            self.skips_in_row = 0
-        else:
-            self._skip(loss, grad_norm.item())
-        return loss, lr, grad_norm.item()
+            del self.optimizer.found_inf
+        elif finite.item():
+            self.optimizer.step()
+        self.unread.append((self.step + 1, lr, torch.stack([loss, grad_norm.to(loss.dtype)]).detach()))
+        if not self.defer_reads:
+            self.read_steps()
 
-    def _skip(self, loss: float, grad_norm: float) -> None:
+    def read_steps(self) -> list[StepRead]:
+        """Read the steps not read yet (one host sync for all) and account for their skips in step order: the steps
+        read, oldest first."""
+        if not self.unread:
+            return []
+        values = torch.stack([v for _, _, v in self.unread]).tolist()
+        steps = [StepRead(step, loss, lr, grad_norm) for (step, lr, _), (loss, grad_norm) in zip(self.unread, values)]
+        self.unread = []
+        self.last_read = steps[-1]
+        for read in steps:
+            if read.applied:
+                self.skips_in_row = 0
+            else:
+                self._skip(read)
+        return steps
+
+    def _skip(self, read: StepRead) -> None:
         """Skip the update of a step whose loss or gradient is not finite (as mixed-precision training does with an
         overflow) instead of writing NaN into the weights: counted, logged, and fatal after
         `max_skips_in_row` in a row, when the weights themselves must have gone bad."""
         self.skipped_steps += 1
         self.skips_in_row += 1
-        self._log({"step": self.step + 1, "skipped": True, "loss": loss, "grad_norm": grad_norm,
+        self._log({"step": read.step, "skipped": True, "loss": read.loss, "grad_norm": read.grad_norm,
                    "skipped_steps": self.skipped_steps, "skips_in_row": self.skips_in_row})
         if self.rank == 0:
-            tqdm.write(f"{self.cfg.run_name}: step {self.step + 1} skipped (loss {loss}, gradient norm {grad_norm}); "
-                       f"{self.skips_in_row} in a row, {self.skipped_steps} in all", file=sys.stderr)
+            tqdm.write(f"{self.cfg.run_name}: step {read.step} skipped (loss {read.loss}, gradient norm "
+                       f"{read.grad_norm}); {self.skips_in_row} in a row, {self.skipped_steps} in all", file=sys.stderr)
         if self.skips_in_row >= self.cfg.max_skips_in_row:
             raise ValueError(f"{self.cfg.run_name}: training diverged: {self.skips_in_row} steps in a row (up to step "
-                             f"{self.step + 1}) had a non-finite loss or gradient (max_skips_in_row="
+                             f"{read.step}) had a non-finite loss or gradient (max_skips_in_row="
                              f"{self.cfg.max_skips_in_row}); lower optim.lr, or check the data")
 
     def run(self) -> TrainResult:
@@ -453,31 +521,39 @@ class Trainer:
         self.model.train()
         bar = tqdm(total=cfg.steps, initial=self.step, desc=cfg.run_name, dynamic_ncols=True, leave=False,
                    disable=True if self.quiet or self.rank else None)  # None: off when not a terminal
-        loss = math.nan
         window_start, window_steps = time.perf_counter(), 0
         while self.step < cfg.steps:
             start = time.perf_counter()
-            loss, lr, grad_norm = self.train_step()
-            self.train_seconds += time.perf_counter() - start
+            self.train_step()
             self.step += 1
+            logging = self.step % cfg.log_every == 0 or self.step == cfg.steps
+            evaluating = bool(cfg.eval_every) and self.step % cfg.eval_every == 0 and self.step < cfg.steps
+            saving = bool(cfg.checkpoint_every) and self.step % cfg.checkpoint_every == 0
+            if logging or evaluating or saving:
+                # Read here, inside the timed step: the device work the read waits for is training time.
+                self.read_steps()
+            self.train_seconds += time.perf_counter() - start
             window_steps += 1
             bar.update(1)
-            bar.set_postfix(loss=f"{loss:.4f}")
-            if self.step % cfg.log_every == 0 or self.step == cfg.steps:
+            last = self.last_read
+            if last is not None and last.step == self.step:
+                bar.set_postfix(loss=f"{last.loss:.4f}")
+            if logging:
                 now = time.perf_counter()
                 tokens = window_steps * cfg.batch_size * cfg.task.train_length
-                self._log({"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+                self._log({"step": self.step, "loss": last.loss, "lr": last.lr, "grad_norm": last.grad_norm,
                            "tokens_per_s": tokens / (now - window_start), "skipped_steps": self.skipped_steps,
                            "train_seconds": self.train_seconds})
                 window_start, window_steps = now, 0
-            if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < cfg.steps:
+            if evaluating:
                 self._log({"step": self.step, "eval": self._evaluate([cfg.task.train_length])})
             out_of_time = self._out_of_time()
-            if (cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0) or out_of_time:
+            if saving or out_of_time:
                 self.save()
             if out_of_time:
                 break
         bar.close()
+        self.read_steps()  # a run stopped by its time budget between reads
         self.save()
         evaluation = self._evaluate(cfg.task.eval_lengths)
         num_parameters = sum(p.numel() for p in self.model.parameters())
@@ -489,16 +565,19 @@ class Trainer:
                  "skipped_steps": self.skipped_steps,
                  "results": {str(k): v for k, v in evaluation.items()}}, indent=2))
             self.metrics.close()
+        loss = self.last_read.loss if self.last_read is not None else math.nan  # nan: resumed with no step left
         return TrainResult(self.step, loss, evaluation, self.train_seconds, num_parameters, self.skipped_steps)
 
     def _out_of_time(self) -> bool:
         """Whether training has used up cfg.time_budget_s; under DDP as soon as any rank has (all stop together)."""
         if self.cfg.time_budget_s is None:
             return False
-        spent = torch.tensor(float(self.train_seconds >= self.cfg.time_budget_s), device=self.device)
-        if self.distributed:
-            dist.all_reduce(spent, op=dist.ReduceOp.MAX)
-        return bool(spent.item())
+        spent = self.train_seconds >= self.cfg.time_budget_s
+        if not self.distributed:
+            return spent
+        flag = torch.tensor(float(spent), device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
 
     def _log(self, record: dict[str, Any]) -> None:
         if self.metrics is not None:
@@ -508,7 +587,7 @@ class Trainer:
         if self.rank:
             return {}
         return evaluate(self.model, self.eval_task, lengths, self.cfg.eval_batches, self.cfg.eval_batch_size,
-                        device=self.device, piece=self.cfg.eval_piece)
+                        device=self.device, piece=self.cfg.eval_piece, precision=self.cfg.dtype)
 
 
 def setup_distributed(device: str = "cpu") -> bool:
