@@ -30,8 +30,10 @@ def bits_per_byte(mean_nll_nats: float) -> float:
     return mean_nll_nats / math.log(2)
 
 
+@lru_cache(maxsize=1)
 def stdlib_root() -> str:
-    """The Python standard library's source directory (present on every Python install)."""
+    """The Python standard library's source directory (present on every Python install). Cached: sysconfig expands
+    its install scheme on every call (0.8 ms, once per row of every batch before it was cached)."""
     return sysconfig.get_paths()["stdlib"]
 
 
