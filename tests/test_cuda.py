@@ -107,3 +107,19 @@ def test_a_training_step_reads_nothing_back_from_the_gpu(tmp_path):
         torch.cuda.set_sync_debug_mode("default")
     read = trainer.read_steps()
     assert [r.step for r in read] == [1, 2, 3] and all(r.applied for r in read)
+
+
+def test_the_token_range_is_read_back_only_in_debug_mode(monkeypatch):
+    """On the GPU the token range check is a host read: it runs with TITANS_CHECKS=1 (as the memory's value checks
+    do), and then refuses an id out of range with the CPU's message."""
+    model = tiny_model("transformer").to(CUDA)
+    bad = torch.tensor([[1, 99]], device=CUDA)
+    monkeypatch.setenv("TITANS_CHECKS", "1")
+    with pytest.raises(ValueError, match=r"tokens must lie in \[0, 32\)"):
+        model(bad)
+    monkeypatch.delenv("TITANS_CHECKS")
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        model(tokens(1, 8).to(CUDA))  # in range, without the debug mode: no sync
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

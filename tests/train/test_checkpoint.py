@@ -19,8 +19,10 @@ def weights(run_dir):
     return load_file(str(latest_checkpoint(run_dir) / "model.safetensors"))
 
 
-def test_resume_gives_identical_weights_and_keeps_the_newest_checkpoints(tiny_config, tmp_path):
-    cfg = load_train_config(tiny_config, ["steps=12", "checkpoint_every=3", "model.dropout=0.1"])  # dropout: RNG
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # bfloat16: autocast over float32 master weights
+def test_resume_gives_identical_weights_and_keeps_the_newest_checkpoints(tiny_config, tmp_path, dtype):
+    cfg = load_train_config(tiny_config, ["steps=12", "checkpoint_every=3", "model.dropout=0.1",  # dropout: RNG
+                                          f"dtype={dtype}"])
     train(cfg, tmp_path / "straight", quiet=True)
     assert [p.name for p in list_checkpoints(tmp_path / "straight")] == ["step_0000009", "step_0000012"]
 
@@ -34,7 +36,8 @@ def test_resume_gives_identical_weights_and_keeps_the_newest_checkpoints(tiny_co
     resumed.run()
     straight, split = weights(tmp_path / "straight"), weights(tmp_path / "split")
     assert all(torch.equal(straight[k], split[k]) for k in straight)
-    different = load_train_config(tiny_config, ["steps=12", "checkpoint_every=3", "model.dropout=0.1", "seed=1"])
+    different = load_train_config(tiny_config, ["steps=12", "checkpoint_every=3", "model.dropout=0.1", "seed=1",
+                                                f"dtype={dtype}"])
     train(different, tmp_path / "other_seed", quiet=True)  # the comparison can fail
     assert not all(torch.equal(straight[k], v) for k, v in weights(tmp_path / "other_seed").items())
 

@@ -348,7 +348,8 @@ class Trainer:
     loss or gradient is not finite is skipped on the device by the fused AdamW (`found_inf`, the flag mixed-precision
     loss scaling uses). Skips are counted, logged and checked against `max_skips_in_row` when they are read, in step
     order, so the records are those of a run that reads every step; only the error for too many skips in a row may
-    come up to `log_every` steps late. On the CPU a read costs nothing and every step is read at once.
+    come up to `log_every` steps late; `train_seconds` (and the time budget's check) lags, between reads, by the work
+    still queued on the device. On the CPU a read costs nothing and every step is read at once.
     """
 
     def __init__(self, cfg: TrainConfig, run_dir: Path, quiet: bool = False, defer_reads: bool | None = None):
