@@ -37,14 +37,14 @@ def test_bfloat16_trains_with_float32_weights_and_memory_state(tiny_config, tmp_
     """Autocast reaches the model's matmuls (a projection outputs bf16) but not the memory: its chunk path gets
     float32 q, k, v, gates and state with autocast off, and hands back a float32 state."""
     seen = []
-    real = parallel._fused_memory
+    real = parallel._scan_memory
 
     def spy(*args):
         tensors = [t for a in args for t in (a if isinstance(a, tuple) else (a,)) if isinstance(t, torch.Tensor)]
         seen.append(({t.dtype for t in tensors}, torch.is_autocast_enabled("cpu")))
         return real(*args)
 
-    monkeypatch.setattr(parallel, "_fused_memory", spy)
+    monkeypatch.setattr(parallel, "_scan_memory", spy)
     cfg = load_train_config(tiny_config, ["dtype=bfloat16", f"model.variant={variant}", "model.segment_len=8",
                                           "steps=24", "checkpoint_every=0"])
     trainer = Trainer(cfg, tmp_path / "run", quiet=True)
