@@ -27,3 +27,24 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def saved_byte_lm(tmp_path_factory):
+    """A tiny byte-level MAC `TitansLM` in float64, saved: (its directory, the model). Sharp, varied logits; the bytes
+    outside printable ASCII get logit 0, so greedy text is printable ASCII and different bytes follow one another.
+    For the byte-level evaluator (tests/models/test_byte_eval.py) and the lm-eval layer over it (test_lm_eval.py)."""
+    from titans import TitansConfig, TitansLM
+
+    torch.manual_seed(0)
+    config = TitansConfig(variant="mac", vocab_size=256, dim=16, depth=1, heads=2, chunk_size=4, segment_len=8,
+                          window=8, n_persistent=2, tie_embeddings=False)
+    model = TitansLM(config).to(torch.float64).eval()
+    with torch.no_grad():
+        model.embed.weight.normal_(0, 1.0)
+        model.head.weight.normal_(0, 1.0)
+        model.head.weight[:32] = 0
+        model.head.weight[127:] = 0
+    directory = tmp_path_factory.mktemp("titans") / "model"
+    model.save_pretrained(directory)
+    return directory, model
