@@ -10,7 +10,8 @@ The results JSON (`docs/results/<experiment>.json`) holds everything the report 
     {"experiment", "title", "about", "discussion", "tier", "command", "machine", "metric", "higher_is_better",
      "x_label", "x_axis", "published" (others' figures for the same experiment, or null), "heatmap" (or null),
      "baselines" ({"<row>": "<metric>"}: rows that are no model, or null),
-     "panels": {"<panel>": {"settings": [...], "x": [...]}},
+     "panels": {"<panel>": {"settings": [...], "x": [...], and a panel's own "x_label", "higher_is_better",
+                            "positions_of" (the setting a panel against position in the context splits)}},
      "results": {"<model>": {"<setting>": value (the mean over seeds), ...}, ...} (baseline rows: the mean over the
                  runs of the metric they report for it),
      "spread": {"<model>": {"<setting>": [min, max] over seeds}},
@@ -157,17 +158,23 @@ def describe_run(summary: dict[str, Any]) -> str:
     return f"{summary['step']} steps in {summary['train_seconds']:.0f} s; {values}"
 
 
-def add_setting(panels: dict[str, dict[str, list]], panel: str, setting: str, x: float) -> None:
-    """Put `setting` (at `x`) in its panel's columns the first time it is seen, in order of appearance."""
-    entry = panels.setdefault(panel, {"settings": [], "x": []})
+def add_setting(panels: dict[str, dict[str, Any]], panel: str, setting: str, x: float, **keys: Any) -> None:
+    """Put `setting` (at `x`) in its panel's columns the first time it is seen, in order of appearance; `keys` are
+    the panel's own (`x_label`, `positions_of`)."""
+    entry = panels.setdefault(panel, {"settings": [], "x": [], **keys})
     if setting not in entry["settings"]:
         entry["settings"].append(setting)
         entry["x"].append(x)
 
 
+POSITION_LABEL = "position in the context (end of each span)"
+
+
 def train_results(exp: Experiment, runs: list[Run], summaries: list[dict[str, Any]]) -> dict[str, Any]:
-    """The JSON's panels, results, spread and runs from the runs' eval.json summaries."""
-    panels: dict[str, dict[str, list]] = {}
+    """The JSON's panels, results, spread and runs from the runs' eval.json summaries. Where a run's evaluation kept
+    the metric per span of positions (`eval_position_buckets`), each evaluation length adds a panel of it against
+    position (`positions_of` names the setting it splits)."""
+    panels: dict[str, dict[str, Any]] = {}
     per_seed: dict[str, dict[str, list[float]]] = {}
     records = {}
     for run, summary in zip(runs, summaries):
@@ -175,13 +182,17 @@ def train_results(exp: Experiment, runs: list[Run], summaries: list[dict[str, An
         for length in run.config.task.eval_lengths:
             setting = run.setting(length, exp)
             add_setting(panels, run.panel, setting, run.x_of(length, exp))
-            value = None if "error" in summary else summary["results"][str(length)][exp.metric]
-            values[setting] = value
-            per_seed.setdefault(run.model, {}).setdefault(setting, []).append(value)
+            metrics = {} if "error" in summary else summary["results"][str(length)]
+            values[setting] = None if "error" in summary else metrics[exp.metric]
+            per_seed.setdefault(run.model, {}).setdefault(setting, []).append(values[setting])
             for label, metric in exp.baselines.items():
                 per_seed.setdefault(label, {}).setdefault(setting, []).append(
-                    None if "error" in summary else baseline_value(summary["results"][str(length)], label, metric,
-                                                                   run.run_id))
+                    None if "error" in summary else baseline_value(metrics, label, metric, run.run_id))
+            for end, value in zip(metrics.get("position_ends", []), metrics.get(f"{exp.metric}_by_position", [])):
+                panel = ", ".join(filter(None, (run.panel, f"{exp.metric} by position at {length:g}")))
+                add_setting(panels, panel, f"{panel}/{end}", float(end), x_label=POSITION_LABEL, positions_of=setting)
+                values[f"{panel}/{end}"] = value
+                per_seed[run.model].setdefault(f"{panel}/{end}", []).append(value)
         records[run.run_id] = {
             "model": run.model, "panel": run.panel, "task": run.task, "seed": run.seed,
             "config": run.config.to_dict(), "values": values,

@@ -107,6 +107,8 @@ class Experiment(Config):
     # label -> a metric of the runs' evaluation that scores a forecast made without a model on the same sequences
     # (`persistence: persistence_loss`): a row beside the models, the mean over the runs of what they report
     baselines: dict[str, str] = Field(default_factory=dict)
+    # another experiment whose rows (variants and extra models, in the same tier) this one takes instead of its own
+    models_from: str = ""
     sizes: dict[str, dict[str, Any]] = Field(default_factory=dict)  # label -> changes to `base`
     tasks: dict[str, TaskAxis] = Field(default_factory=dict)  # label -> task
     x_axis: Literal["length", "task"] = "length"
@@ -212,6 +214,17 @@ def load_experiment(name: str, quick: bool = False, folder: Path | None = None) 
     if data.get("name", path.stem) != path.stem:
         raise ValueError(f"{path}: name {data.get('name')!r} must be the file's name {path.stem!r}")
     data.setdefault("name", path.stem)
+    source = data.get("models_from")
+    if source:  # the rows of another experiment of the same folder and tier: one list of models for both
+        if {"variants", "extra_models"} & (set(data) | set(data.get("quick") or {})):
+            raise ValueError(f"{path}: models_from takes the rows of {source!r}; variants and extra_models cannot "
+                             "be set beside it")
+        source_path = path.parent / f"{source}.yaml"
+        if source_path.is_file() and read_yaml_mapping(source_path).get("models_from"):  # no chains, no cycles
+            raise ValueError(f"{path}: models_from must name an experiment with rows of its own; {source!r} takes "
+                             "its rows from another")
+        rows = load_experiment(source, quick, path.parent)  # a missing one: its own error, naming it
+        data = {**data, "variants": rows.variants, "extra_models": rows.extra_models}
     if quick:  # base merges field by field at every level, capacity and efficiency at the top; the rest is replaced
         full, changes = data, data.get("quick") or {}
         data = {**full, **changes}
