@@ -13,7 +13,10 @@ import os
 from pathlib import Path
 from typing import Any
 
-ORDER = ("niah", "babilong", "mqar", "long", "capacity", "efficiency")  # the issue's order; others follow by name
+# the issues' order; others follow by name
+ORDER = ("niah", "babilong", "mqar", "long", "capacity", "efficiency", "lm", "ablations_lm", "ablations_niah",
+         "continual")
+TRAINED = ("train", "continual")  # kinds whose rows are trained models (Titans variants against baselines)
 README_START = "<!-- experiments:start (written by `titans experiment report`; edit the YAML, not this) -->"
 README_END = "<!-- experiments:end -->"
 REQUIRED = ("experiment", "metric", "higher_is_better", "results", "runs", "panels")
@@ -164,7 +167,8 @@ def plot(data: dict[str, Any], path: Path) -> None:
         ax.set_ylabel(name if "higher_is_better" in panel else data["metric"], fontsize=8)  # a panel with own metric
         if "accuracy" in data["metric"]:
             ax.set_ylim(-0.02, 1.02)
-        elif data["metric"] != "capacity":
+        elif data["metric"] != "capacity" and all(v > 0 for r in data["results"].values() for s in panel["settings"]
+                                                  if (v := r.get(s)) is not None):  # a drop may be negative
             ax.set_yscale("log")
         ax.set_title(name or data.get("title", data["experiment"]), fontsize=9)
         ax.grid(alpha=0.3)
@@ -208,7 +212,7 @@ def best_line(data: dict[str, Any], panel: dict[str, Any], name: str, end: int, 
     line = f"{where}: best {', '.join(leaders)} ({fmt(top, data['metric'])}" + (", tied)" if len(leaders) > 1 else ")")
     ours = {m: v for m, v in values.items() if m in memory}
     theirs = {m: v for m, v in values.items() if m not in memory}
-    if ours and theirs and data.get("kind", "train") == "train":
+    if ours and theirs and data.get("kind", "train") in TRAINED:
         a, b = pick(ours, key=ours.get), pick(theirs, key=theirs.get)
         line += f"; best Titans variant {a} {fmt(ours[a], data['metric'])} against best baseline {b} " \
                 f"{fmt(theirs[b], data['metric'])}"
@@ -228,7 +232,7 @@ def observations(data: dict[str, Any]) -> list[str]:
         if "positions_of" in panel:
             lines.append(position_line(data, panel, name))
             continue
-        ends = [0, -1] if data.get("kind", "train") == "train" and len(panel["x"]) > 1 else [-1]
+        ends = [0, -1] if data.get("kind", "train") in TRAINED and len(panel["x"]) > 1 else [-1]
         for end in ends:
             line = best_line(data, panel, name, end, memory)
             if line:
@@ -328,7 +332,7 @@ def headline(data: dict[str, Any], results_md: str, plot_path: str) -> str:
     lengths: at the training length and the largest), the plot, the link. Panels against position in the context
     are left to RESULTS.md and the plot."""
     panels = {name: p for name, p in data["panels"].items() if "positions_of" not in p}
-    both_ends = data.get("kind", "train") == "train" and data.get("x_axis", "length") == "length" and \
+    both_ends = data.get("kind", "train") in TRAINED and data.get("x_axis", "length") == "length" and \
         any(len(p["x"]) > 1 for p in panels.values())  # panels of one column each: their one length, said once
     ends = {name: ([0, -1] if both_ends and len(p["x"]) > 1 else [-1]) for name, p in panels.items()}
     columns = [(name, p, end) for name, p in panels.items() for end in ends[name]]

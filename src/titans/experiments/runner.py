@@ -175,7 +175,7 @@ def train_results(exp: Experiment, runs: list[Run], summaries: list[dict[str, An
     the metric per span of positions (`eval_position_buckets`), each evaluation length adds a panel of it against
     position (`positions_of` names the setting it splits)."""
     panels: dict[str, dict[str, Any]] = {}
-    per_seed: dict[str, dict[str, list[float]]] = {}
+    per_seed: dict[str, dict[str, list[float | None]]] = {}
     records = {}
     for run, summary in zip(runs, summaries):
         values = {}
@@ -184,24 +184,39 @@ def train_results(exp: Experiment, runs: list[Run], summaries: list[dict[str, An
             add_setting(panels, run.panel, setting, run.x_of(length, exp))
             metrics = {} if "error" in summary else summary["results"][str(length)]
             values[setting] = None if "error" in summary else metrics[exp.metric]
-            per_seed.setdefault(run.model, {}).setdefault(setting, []).append(values[setting])
+            collect(per_seed, run.model, {setting: values[setting]})
             for label, metric in exp.baselines.items():
-                per_seed.setdefault(label, {}).setdefault(setting, []).append(
-                    None if "error" in summary else baseline_value(metrics, label, metric, run.run_id))
+                collect(per_seed, label, {setting: None if "error" in summary else
+                                          baseline_value(metrics, label, metric, run.run_id)})
             for end, value in zip(metrics.get("position_ends", []), metrics.get(f"{exp.metric}_by_position", [])):
                 panel = ", ".join(filter(None, (run.panel, f"{exp.metric} by position at {length:g}")))
                 add_setting(panels, panel, f"{panel}/{end}", float(end), x_label=POSITION_LABEL, positions_of=setting)
                 values[f"{panel}/{end}"] = value
-                per_seed[run.model].setdefault(f"{panel}/{end}", []).append(value)
-        records[run.run_id] = {
-            "model": run.model, "panel": run.panel, "task": run.task, "seed": run.seed,
+                collect(per_seed, run.model, {f"{panel}/{end}": value})
+        records[run.run_id] = run_record(run, summary, values)
+    return {"panels": panels, **over_seeds(per_seed), "runs": records}
+
+
+def run_record(run: Run, summary: dict[str, Any], values: dict[str, float | None]) -> dict[str, Any]:
+    """The JSON's record of one training run: where it sits in the grid, its config, its values and how it trained
+    (or its error)."""
+    return {"model": run.model, "panel": run.panel, "task": run.task, "seed": run.seed,
             "config": run.config.to_dict(), "values": values,
             **({"error": summary["error"]} if "error" in summary else {
                 "num_parameters": summary["num_parameters"], "steps": summary["step"],
                 "seconds": round(summary["train_seconds"], 1), "skipped_steps": summary.get("skipped_steps", 0)})}
-    results = {m: {s: mean(v) for s, v in by_setting.items()} for m, by_setting in per_seed.items()}
-    spread = {m: {s: spread_of(v) for s, v in by_setting.items()} for m, by_setting in per_seed.items()}
-    return {"panels": panels, "results": results, "spread": spread, "runs": records}
+
+
+def collect(per_seed: dict[str, dict[str, list[float | None]]], row: str, values: dict[str, float | None]) -> None:
+    """Add one run's `values` to its row's values per setting (one per seed)."""
+    for setting, value in values.items():
+        per_seed.setdefault(row, {}).setdefault(setting, []).append(value)
+
+
+def over_seeds(per_seed: dict[str, dict[str, list[float | None]]]) -> dict[str, Any]:
+    """{"results": the mean over a row's runs (its seeds) of every setting, "spread": their [min, max]}."""
+    return {"results": {m: {s: mean(v) for s, v in by_setting.items()} for m, by_setting in per_seed.items()},
+            "spread": {m: {s: spread_of(v) for s, v in by_setting.items()} for m, by_setting in per_seed.items()}}
 
 
 def baseline_value(metrics: dict[str, float], label: str, metric: str, run_id: str) -> float:
@@ -230,7 +245,7 @@ def run_experiment(exp: Experiment, results_dir: Path, runs_dir: Path, jobs: int
                    quick: bool = False, quiet: bool = False) -> Path:
     """Run `exp` (resumably) and write `<results_dir>/<name>.json`; return its path."""
     from ..bench import describe_machine
-    from . import measure
+    from . import continual, measure
 
     jobs = jobs or default_jobs()
     results_dir.mkdir(parents=True, exist_ok=True)
@@ -250,6 +265,8 @@ def run_experiment(exp: Experiment, results_dir: Path, runs_dir: Path, jobs: int
         summaries = run_parallel(_train_or_error, list(zip([r.config for r in runs], dirs)),
                                  [r.run_id for r in runs], jobs, describe_run, quiet)
         body = train_results(exp, runs, summaries)
+    elif exp.kind == "continual":
+        body = continual.continual_results(exp, runs_dir, jobs, quick, quiet)
     elif exp.kind == "capacity":
         body = measure.capacity_results(exp, runs_dir / exp.name, jobs, quiet)
     else:

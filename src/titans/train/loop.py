@@ -38,6 +38,7 @@ from .checkpoint import (
     load_trainer_state,
     load_weights,
     prepare_run_dir,
+    resolve_checkpoint,
     save_checkpoint,
 )
 from .config import OptimConfig, TrainConfig, check_model_fits_task, resume_mismatches
@@ -106,6 +107,17 @@ def build_model(cfg: TrainConfig, task: Task) -> nn.Module:
     if task.num_classes is not None:
         return ClassificationHead(encoder, task.num_classes)
     return ForecastHead(encoder)
+
+
+def load_trained(ckpt: Path, device: str = "cpu") -> tuple[Path, TrainConfig, Task, nn.Module]:
+    """(checkpoint path, config, task, model in eval mode on `device`) of a checkpoint, or of a run directory's
+    latest."""
+    path = resolve_checkpoint(ckpt)
+    cfg = load_checkpoint_config(path)
+    task = build_task(cfg)
+    model = build_model(cfg, task).to(getattr(torch, cfg.dtype))
+    load_weights(path, model)
+    return path, cfg, task, model.to(resolve_device(device)).eval()
 
 
 def lr_at(step: int, optim: OptimConfig, total_steps: int) -> float:
