@@ -58,10 +58,11 @@ def passage_bits(model: nn.Module, data: Tensor, grid: dict[str, Any], gap: int)
     return {"first": first, "second": second}
 
 
-def continual_point(run_dir: str, grid: dict[str, Any], config: dict[str, Any], step: int) -> dict[str, Any]:
-    """Both readings at every gap for the trained run in `run_dir` (`config` and `step` key the cached result to the
-    run it measured)."""
-    _, cfg, task, model = load_trained(Path(run_dir))
+def continual_point(run_dir: str, grid: dict[str, Any], config: dict[str, Any], step: int,
+                    train_seconds: float) -> dict[str, Any]:
+    """Both readings at every gap for the trained run in `run_dir` (`config`, `step` and `train_seconds` key the
+    cached result to the training it measured: a run deleted and trained again takes other seconds)."""
+    _, _, task, model = load_trained(Path(run_dir))
     if task.name != "lm_bytes":
         raise ValueError(f"continual reads documents of lm_bytes; run {run_dir} trained on {task.name}")
     data = task.held_out().data
@@ -86,7 +87,7 @@ def continual_results(exp: Experiment, runs_dir: Path, jobs: int, quick: bool, q
                              jobs, describe_run, quiet)
     measured = [i for i, summary in enumerate(summaries) if "error" not in summary]
     calls = [(runs_dir / exp.name / f"{runs[i].run_id}.json", continual_point, str(dirs[i]), grid.to_dict(),
-              runs[i].config.to_dict(), summaries[i]["step"]) for i in measured]
+              runs[i].config.to_dict(), summaries[i]["step"], summaries[i]["train_seconds"]) for i in measured]
     points = dict(zip(measured, run_parallel(
         cached, calls, [runs[i].run_id for i in measured], jobs,
         lambda p: ", ".join(f"gap {g}: {v['first']:.3f} -> {v['second']:.3f}" for g, v in p.items()), quiet)))
