@@ -103,17 +103,9 @@ def parse_lengths(text: str) -> list[int]:
 def load_for_inference(ckpt: Path, device: str):
     """(checkpoint path, config, task, model in eval mode) of a checkpoint, or of a run directory's latest; the model's
     parameters in the dtype training kept them in (float32 for a bfloat16 run: its master weights)."""
-    from .train import build_model, build_task
-    from .train.checkpoint import load_checkpoint_config, load_weights, resolve_checkpoint
-    from .train.loop import resolve_device
-    from .train.precision import parameter_dtype
+    from .train.loop import load_trained
 
-    path = resolve_checkpoint(ckpt)
-    cfg = load_checkpoint_config(path)
-    task = build_task(cfg)
-    model = build_model(cfg, task).to(parameter_dtype(cfg.dtype))
-    load_weights(path, model)
-    return path, cfg, task, model.to(resolve_device(device)).eval()
+    return load_trained(ckpt, device)
 
 
 @app.command("eval")
@@ -297,8 +289,11 @@ def experiment_list() -> None:
 
     for name in experiment_names():
         exp = load_experiment(name)
-        size = f"{len(expand(exp))} training runs" if exp.kind == "train" else exp.kind
-        typer.echo(f"{name:<12} {size:<20} {exp.title}")
+        if exp.kind == "train":
+            size = f"{len(expand(exp))} training runs"
+        else:
+            size = f"the runs of {exp.continual.source}" if exp.kind == "continual" else exp.kind
+        typer.echo(f"{name:<15} {size:<20} {exp.title}")
 
 
 @experiment_app.command("run")

@@ -19,7 +19,8 @@ from titans.train import build_model, build_task, train
 
 ROOT = Path(__file__).resolve().parents[2]
 FOLDER = ROOT / "configs" / "experiments"
-ISSUE_EXPERIMENTS = {"niah", "babilong", "mqar", "long", "capacity", "efficiency", "encoder"}
+ISSUE_EXPERIMENTS = {"niah", "babilong", "mqar", "long", "capacity", "efficiency", "encoder", "lm", "ablations_lm",
+                     "ablations_niah", "continual"}
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
@@ -44,7 +45,7 @@ def test_the_issue_experiments_are_shipped_and_load_in_both_tiers():
                 assert run.config.time_budget_s == full.time_budget_s and run.config.threads == 1
 
 
-@pytest.mark.parametrize("name", ["niah", "babilong", "mqar", "long", "sine", "wind"])
+@pytest.mark.parametrize("name", ["niah", "babilong", "mqar", "long", "sine", "wind", "lm"])
 def test_full_grids_are_parameter_matched(name):
     """Within a size, every variant of a train experiment has the same parameters to within 2%."""
     exp = load_experiment(name, folder=FOLDER)
@@ -57,6 +58,23 @@ def test_full_grids_are_parameter_matched(name):
         by_size.setdefault((run.panel, cfg.model.dim), []).append(count)
     for counts in by_size.values():
         assert max(counts) / min(counts) < 1.02, counts
+
+
+def test_ablation_rows_keep_their_models_parameters():
+    """Each removal keeps its variant's parameter count (to 2%); the memory depths 1-4 share one count (that of the
+    four-layer memory at the defaults); the S-NIAH ablations take the very rows of the LM ones."""
+    exp = load_experiment("ablations_lm", folder=FOLDER)
+    counts = {run.model: sum(p.numel() for p in build_model(run.config, build_task(run.config)).parameters())
+              for run in expand(exp)}
+    for variant in ("lmm", "mac"):
+        depths = [counts[f"{variant} depth{d}"] for d in (1, 2, 3, 4)]
+        assert max(depths) / min(depths) < 1.02, depths
+        rest = [n for label, n in counts.items() if label.startswith(variant) and "depth" not in label]
+        assert len(rest) >= 9 and max(rest) / counts[variant] < 1.02 and min(rest) / counts[variant] > 0.98, rest
+    assert depths[-1] == counts["mac depth4"] > 1.5 * counts["mac"]  # the deep memory's hidden layers are big
+    niah = load_experiment("ablations_niah", folder=FOLDER)
+    assert niah.models == exp.models and niah.metric == "accuracy" and exp.metric == "bits_per_byte"
+    assert niah.eval_multiples == exp.eval_multiples == [1, 4]
 
 
 def test_encoder_grid_is_parameter_matched_and_trains_each_set_at_its_length():
@@ -342,6 +360,8 @@ BAD_EXPERIMENTS = {
     "quoted": ("tasks: {a: {name: passkey}}\npublished: {values: {lmm: 0.5}}\n", "source"),
     "stray": ("tasks: {a: {name: passkey}}\npublished: {source: x, values: {gpt: 0.5}}\n", "rows not in the grid"),
     "baseline": ("tasks: {a: {name: passkey}}\nbaselines: {swa: loss}\n", "new row label"),
+    "rows": ("tasks: {a: {name: passkey}}\nmodels_from: stray\nvariants: [lmm]\n", "cannot be set beside it"),
+    "self": ("tasks: {a: {name: passkey}}\nmodels_from: self\n", "an experiment with rows of its own"),
 }
 
 
@@ -365,3 +385,48 @@ def test_streamed_evaluation_matches_whole_sequences():
         whole = evaluate(model, task, [64], 1, 2)
         pieces = evaluate(model, task, [64], 1, 2, piece=7)
         assert pieces[64]["loss"] == pytest.approx(whole[64]["loss"], rel=1e-9)
+
+
+def test_lm_carries_bits_per_byte_against_position(quick_results, tmp_path):
+    """Each evaluation length adds a panel of bits per byte over spans of positions, read from the runs' eval.json;
+    the report tabulates it, says each model's first span against its last, and leaves it out of the headline."""
+    from titans.experiments.report import headline, observations
+
+    results_dir, runs_dir = quick_results
+    data = json.loads((results_dir / "lm.json").read_text())
+    exp = load_experiment("lm", quick=True, folder=FOLDER)
+    buckets = exp.base["eval_position_buckets"]
+    for length in exp.eval_lengths:
+        panel = data["panels"][f"bits_per_byte by position at {length}"]
+        assert panel["positions_of"] == str(length) and panel["x"] == [length * (i + 1) / buckets
+                                                                      for i in range(buckets)]
+        for run_id, run in data["runs"].items():
+            kept = json.loads((runs_dir / "lm" / run_id / "eval.json").read_text())["results"][str(length)]
+            assert [run["values"][s] for s in panel["settings"]] == kept["bits_per_byte_by_position"]
+    assert sum("the first span of positions" in line for line in observations(data)) == len(exp.eval_lengths)
+    assert "by position" not in headline(data, "RESULTS.md", "lm.png")
+    write_report(results_dir, tmp_path / "RESULTS.md")
+    assert "bits_per_byte by position at 128:" in (tmp_path / "RESULTS.md").read_text()
+
+
+def test_continual_measures_the_lm_runs_and_reads_them_back(quick_results, tmp_path, monkeypatch):
+    """continual's rows are lm's trained runs (the same directories: trained once, whichever experiment ran first);
+    a second run neither trains nor measures again; the drop is the first reading less the second."""
+    results_dir, runs_dir = quick_results
+    data = json.loads((results_dir / "continual.json").read_text())
+    lm = json.loads((results_dir / "lm.json").read_text())
+    assert set(data["runs"]) == set(lm["runs"]) and data["kind"] == "continual"
+    for run_id, run in data["runs"].items():
+        assert run["source"] == f"lm/{run_id}" and run["num_parameters"] == lm["runs"][run_id]["num_parameters"]
+        for gap in data["grid"]["gaps"]:
+            first, second = run["values"][f"first reading/{gap}"], run["values"][f"second reading/{gap}"]
+            assert 0 < second and run["values"][f"drop/{gap}"] == pytest.approx(first - second)
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("trained or measured again")
+
+    monkeypatch.setattr("titans.train.train", no_work)
+    monkeypatch.setattr("titans.experiments.continual.continual_point", no_work)
+    again = run_experiment(load_experiment("continual", quick=True, folder=FOLDER), tmp_path, runs_dir, jobs=1,
+                           quick=True, quiet=True)
+    assert json.loads(again.read_text())["results"] == data["results"]

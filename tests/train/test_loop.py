@@ -119,6 +119,39 @@ def test_evaluation_set_is_fixed_whatever_the_batch_size(tiny_config):
     assert by_two[24] != evaluate(model, task, [24], batches=3, batch_size=2, seed=1)[24]
 
 
+def test_loss_by_position_is_the_mean_of_each_span_of_positions(tiny_config):
+    """Against a plain reference: each sequence through the model whole, the cross-entropy at every position, the
+    mean over the rows and over each span (float64, 1e-12). On lm_bytes every position is scored, so the spans'
+    mean is the loss; on passkey only the answer at the end is, so the earlier spans hold nothing."""
+    cfg = load_train_config(tiny_config, ["task.name=lm_bytes", "task.options={}", "model.vocab_size=256"])
+    task = get_task("lm_bytes", split="val")
+    torch.manual_seed(0)
+    model = build_model(cfg, task).double()
+    metrics = evaluate(model, task, [30], batches=2, batch_size=3, position_buckets=4)[30]
+    batch = sample_rows(task, range(6), 30, loop.EVAL_STREAM, 0, 30)
+    losses = torch.stack([torch.nn.functional.cross_entropy(model(row[None])[0][0], target, reduction="none")
+                          for row, target in zip(batch.inputs, batch.targets)]).mean(0)
+    assert metrics["position_ends"] == [7, 15, 22, 30]
+    expected = [losses[a:b].mean().item() for a, b in ((0, 7), (7, 15), (15, 22), (22, 30))]
+    assert metrics["loss_by_position"] == pytest.approx(expected, rel=1e-12)
+    assert metrics["bits_per_byte_by_position"] == pytest.approx([v / math.log(2) for v in expected], rel=1e-12)
+    assert sum(v * n for v, n in zip(expected, (7, 8, 7, 8))) / 30 == pytest.approx(metrics["loss"], rel=1e-12)
+    plain = load_train_config(tiny_config)
+    passkey = evaluate(build_model(plain, build_task(plain)).double(), build_task(plain), [24], 1, 4,
+                       position_buckets=3)[24]
+    assert passkey["loss_by_position"][:2] == [None, None] and passkey["loss_by_position"][2] > 0
+    assert "bits_per_byte_by_position" not in passkey
+
+
+def test_position_buckets_are_refused_where_they_cannot_be_kept(tiny_config):
+    with pytest.raises(ValueError, match=r"eval_position_buckets \(30\) must be at most the shortest"):
+        load_train_config(tiny_config, ["eval_position_buckets=30"])
+    with pytest.raises(ValueError, match="position_buckets is for token tasks; forecast_sine"):
+        evaluate(None, get_task("forecast_sine"), [24], 1, 1, position_buckets=2)
+    with pytest.raises(ValueError, match="between 1 and the length"):
+        loop.position_ends(4, 5)
+
+
 def test_time_budget_stops_early_with_a_checkpoint(tiny_config, tmp_path):
     cfg = load_train_config(tiny_config, ["steps=1000", "time_budget_s=1.0e-9", "checkpoint_every=0"])
     result = train(cfg, tmp_path / "run", quiet=True)

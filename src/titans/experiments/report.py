@@ -13,7 +13,10 @@ import os
 from pathlib import Path
 from typing import Any
 
-ORDER = ("niah", "babilong", "mqar", "long", "capacity", "efficiency")  # the issue's order; others follow by name
+# the issues' order; others follow by name
+ORDER = ("niah", "babilong", "mqar", "long", "capacity", "efficiency", "lm", "ablations_lm", "ablations_niah",
+         "continual")
+TRAINED = ("train", "continual")  # kinds whose rows are trained models (Titans variants against baselines)
 README_START = "<!-- experiments:start (written by `titans experiment report`; edit the YAML, not this) -->"
 README_END = "<!-- experiments:end -->"
 REQUIRED = ("experiment", "metric", "higher_is_better", "results", "runs", "panels")
@@ -56,6 +59,11 @@ def x_text(x: float) -> str:
 
 def panel_better(data: dict[str, Any], panel: dict[str, Any]) -> bool:
     return panel.get("higher_is_better", data["higher_is_better"])
+
+
+def x_label_of(data: dict[str, Any], panel: dict[str, Any]) -> str:
+    """The panel's own x axis (positions in the context) or the experiment's."""
+    return panel.get("x_label") or data.get("x_label", "x")
 
 
 def panel_table(data: dict[str, Any], panel: dict[str, Any], labels: list[str],
@@ -131,9 +139,9 @@ def plot_heatmap(data: dict[str, Any], path: Path) -> None:
 
 
 def plot(data: dict[str, Any], path: Path) -> None:
-    """One panel per plot panel, a line per model against x (log2 axis when x spans a factor of 8 or more), or where
-    a panel has a single column a point per model with the seeds' range; a heat map over two model settings where the
-    experiment asks for one."""
+    """One panel per plot panel, a line per model against x (log2 axis when x spans a factor of 8 or more, but
+    positions in a context read linearly), or where a panel has a single column a point per model with the seeds'
+    range; a heat map over two model settings where the experiment asks for one."""
     if data.get("heatmap"):
         return plot_heatmap(data, path)
     import matplotlib
@@ -152,14 +160,15 @@ def plot(data: dict[str, Any], path: Path) -> None:
             points = [(x, by_setting.get(s)) for x, s in zip(xs, panel["settings"]) if by_setting.get(s) is not None]
             if points:
                 ax.plot(*zip(*points), marker="o", markersize=3, label=model)
-        if min(xs) > 0 and max(xs) / min(xs) >= 8:
+        if min(xs) > 0 and max(xs) / min(xs) >= 8 and "positions_of" not in panel:
             ax.set_xscale("log", base=2)
             ax.set_xticks(xs, [x_text(x) for x in xs], fontsize=7)
-        ax.set_xlabel(data.get("x_label", "x"), fontsize=8)
+        ax.set_xlabel(x_label_of(data, panel), fontsize=8)
         ax.set_ylabel(name if "higher_is_better" in panel else data["metric"], fontsize=8)  # a panel with own metric
         if "accuracy" in data["metric"]:
             ax.set_ylim(-0.02, 1.02)
-        elif data["metric"] != "capacity":
+        elif data["metric"] != "capacity" and all(v > 0 for r in data["results"].values() for s in panel["settings"]
+                                                  if (v := r.get(s)) is not None):  # a drop may be negative
             ax.set_yscale("log")
         ax.set_title(name or data.get("title", data["experiment"]), fontsize=9)
         ax.grid(alpha=0.3)
@@ -183,7 +192,7 @@ def plot_models(ax: Any, data: dict[str, Any], panel: dict[str, Any], name: str)
     ax.set_xticks(range(len(models)), models, fontsize=7, rotation=30)
     ax.set_xlim(-0.6, len(models) - 0.4)
     ax.set_ylabel(data["metric"], fontsize=8)
-    ax.set_title(f"{name or data.get('title', data['experiment'])} ({data.get('x_label', 'x')} "
+    ax.set_title(f"{name or data.get('title', data['experiment'])} ({x_label_of(data, panel)} "
                  f"{x_text(panel['x'][0])})", fontsize=9)
     ax.grid(alpha=0.3, axis="y")
 
@@ -196,14 +205,14 @@ def best_line(data: dict[str, Any], panel: dict[str, Any], name: str, end: int, 
         return None
     pick = max if panel_better(data, panel) else min
     top = pick(values.values())
-    where = f"{name}, {data.get('x_label', 'x')} {x_text(x)}" if name else f"{data.get('x_label', 'x')} {x_text(x)}"
+    where = f"{name}, {x_label_of(data, panel)} {x_text(x)}" if name else f"{x_label_of(data, panel)} {x_text(x)}"
     if len(set(values.values())) == 1:
         return f"{where}: every model at {fmt(top, data['metric'])}."
     leaders = [m for m, v in values.items() if v == top]
     line = f"{where}: best {', '.join(leaders)} ({fmt(top, data['metric'])}" + (", tied)" if len(leaders) > 1 else ")")
     ours = {m: v for m, v in values.items() if m in memory}
     theirs = {m: v for m, v in values.items() if m not in memory}
-    if ours and theirs and data.get("kind", "train") == "train":
+    if ours and theirs and data.get("kind", "train") in TRAINED:
         a, b = pick(ours, key=ours.get), pick(theirs, key=theirs.get)
         line += f"; best Titans variant {a} {fmt(ours[a], data['metric'])} against best baseline {b} " \
                 f"{fmt(theirs[b], data['metric'])}"
@@ -213,13 +222,17 @@ def best_line(data: dict[str, Any], panel: dict[str, Any], name: str, end: int, 
 def observations(data: dict[str, Any]) -> list[str]:
     """Sentences computed from the numbers: per panel, who is best at the smallest and the largest x (train
     experiments over lengths: the training length and the farthest evaluation), and for train experiments how the
-    best Titans variant compares with the best baseline there."""
+    best Titans variant compares with the best baseline there; per panel against position, each model's first span
+    against its last."""
     variant_of = {run["model"]: run["config"].get("model", {}).get("variant", run["model"])
                   for run in data["runs"].values() if isinstance(run.get("config"), dict)}
     memory = {m for m in data["results"] if variant_of.get(m, m) in ("lmm", "mac", "mag", "mal")}
     lines = []
     for name, panel in data["panels"].items():
-        ends = [0, -1] if data.get("kind", "train") == "train" and len(panel["x"]) > 1 else [-1]
+        if "positions_of" in panel:
+            lines.append(position_line(data, panel, name))
+            continue
+        ends = [0, -1] if data.get("kind", "train") in TRAINED and len(panel["x"]) > 1 else [-1]
         for end in ends:
             line = best_line(data, panel, name, end, memory)
             if line:
@@ -230,9 +243,18 @@ def observations(data: dict[str, Any]) -> list[str]:
             ratios = [f"{x_text(x)}: {mine[s] / theirs[s]:.2f}×" for x, s in zip(panel["x"], panel["settings"])
                       if mine.get(s) is not None and theirs.get(s)]
             if ratios:
-                lines.append(f"{name or data['metric']}, {model} / {against} ({data.get('x_label', 'x')}): "
+                lines.append(f"{name or data['metric']}, {model} / {against} ({x_label_of(data, panel)}): "
                              + ", ".join(ratios) + ".")
     return lines
+
+
+def position_line(data: dict[str, Any], panel: dict[str, Any], name: str) -> str:
+    """Per model, the metric over the first span of positions against the last: do later tokens cost less?"""
+    first, last = panel["settings"][0], panel["settings"][-1]
+    pairs = [f"{model} {fmt(r.get(first), data['metric'])} → {fmt(r.get(last), data['metric'])}"
+             for model, r in data["results"].items() if r.get(first) is not None and r.get(last) is not None]
+    return f"{name}, the first span of positions (to {x_text(panel['x'][0])}) → the last (to " \
+           f"{x_text(panel['x'][-1])}): " + ", ".join(pairs) + "."
 
 
 def run_facts(data: dict[str, Any]) -> str:
@@ -290,7 +312,7 @@ def section(data: dict[str, Any], json_path: Path, plot_path: Path, relative_to:
                   "model was scored on.", ""]
     for name, panel in data["panels"].items():
         heading = [f"{name}:", ""] if name else []
-        labels = [f"{data.get('x_label', 'x')} {x_text(x)}" if i == 0 else x_text(x) for i, x in enumerate(panel["x"])]
+        labels = [f"{x_label_of(data, panel)} {x_text(x)}" if i == 0 else x_text(x) for i, x in enumerate(panel["x"])]
         parts += heading + [panel_table(data, panel, labels), ""]
     if data.get("published"):
         parts += [published_table(data), ""]
@@ -307,9 +329,10 @@ def section(data: dict[str, Any], json_path: Path, plot_path: Path, relative_to:
 
 def headline(data: dict[str, Any], results_md: str, plot_path: str) -> str:
     """The README's lines for one experiment: its table at the largest x of each panel (a train experiment over
-    lengths: at the training length and the largest), the plot, the link."""
-    panels = data["panels"]
-    both_ends = data.get("kind", "train") == "train" and data.get("x_axis", "length") == "length" and \
+    lengths: at the training length and the largest), the plot, the link. Panels against position in the context
+    are left to RESULTS.md and the plot."""
+    panels = {name: p for name, p in data["panels"].items() if "positions_of" not in p}
+    both_ends = data.get("kind", "train") in TRAINED and data.get("x_axis", "length") == "length" and \
         any(len(p["x"]) > 1 for p in panels.values())  # panels of one column each: their one length, said once
     ends = {name: ([0, -1] if both_ends and len(p["x"]) > 1 else [-1]) for name, p in panels.items()}
     columns = [(name, p, end) for name, p in panels.items() for end in ends[name]]

@@ -10,7 +10,8 @@ The results JSON (`docs/results/<experiment>.json`) holds everything the report 
     {"experiment", "title", "about", "discussion", "tier", "command", "machine", "metric", "higher_is_better",
      "x_label", "x_axis", "published" (others' figures for the same experiment, or null), "heatmap" (or null),
      "baselines" ({"<row>": "<metric>"}: rows that are no model, or null),
-     "panels": {"<panel>": {"settings": [...], "x": [...]}},
+     "panels": {"<panel>": {"settings": [...], "x": [...], and a panel's own "x_label", "higher_is_better",
+                            "positions_of" (the setting a panel against position in the context splits)}},
      "results": {"<model>": {"<setting>": value (the mean over seeds), ...}, ...} (baseline rows: the mean over the
                  runs of the metric they report for it),
      "spread": {"<model>": {"<setting>": [min, max] over seeds}},
@@ -153,44 +154,71 @@ def one_thread() -> None:
 def describe_run(summary: dict[str, Any]) -> str:
     if "error" in summary:
         return summary["error"]
-    values = ", ".join(f"{length}: {m.get('accuracy', m['loss']):.3f}" for length, m in summary["results"].items())
+    # the byte-level LM's whole-window accuracy is ~0 whatever the model: its bits per byte say how it did
+    values = ", ".join(f"{length}: {m.get('bits_per_byte', m.get('accuracy', m['loss'])):.3f}"
+                       for length, m in summary["results"].items())
     return f"{summary['step']} steps in {summary['train_seconds']:.0f} s; {values}"
 
 
-def add_setting(panels: dict[str, dict[str, list]], panel: str, setting: str, x: float) -> None:
-    """Put `setting` (at `x`) in its panel's columns the first time it is seen, in order of appearance."""
-    entry = panels.setdefault(panel, {"settings": [], "x": []})
+def add_setting(panels: dict[str, dict[str, Any]], panel: str, setting: str, x: float, **keys: Any) -> None:
+    """Put `setting` (at `x`) in its panel's columns the first time it is seen, in order of appearance; `keys` are
+    the panel's own (`x_label`, `positions_of`)."""
+    entry = panels.setdefault(panel, {"settings": [], "x": [], **keys})
     if setting not in entry["settings"]:
         entry["settings"].append(setting)
         entry["x"].append(x)
 
 
+POSITION_LABEL = "position in the context (end of each span)"
+
+
 def train_results(exp: Experiment, runs: list[Run], summaries: list[dict[str, Any]]) -> dict[str, Any]:
-    """The JSON's panels, results, spread and runs from the runs' eval.json summaries."""
-    panels: dict[str, dict[str, list]] = {}
-    per_seed: dict[str, dict[str, list[float]]] = {}
+    """The JSON's panels, results, spread and runs from the runs' eval.json summaries. Where a run's evaluation kept
+    the metric per span of positions (`eval_position_buckets`), each evaluation length adds a panel of it against
+    position (`positions_of` names the setting it splits)."""
+    panels: dict[str, dict[str, Any]] = {}
+    per_seed: dict[str, dict[str, list[float | None]]] = {}
     records = {}
     for run, summary in zip(runs, summaries):
         values = {}
         for length in run.config.task.eval_lengths:
             setting = run.setting(length, exp)
             add_setting(panels, run.panel, setting, run.x_of(length, exp))
-            value = None if "error" in summary else summary["results"][str(length)][exp.metric]
-            values[setting] = value
-            per_seed.setdefault(run.model, {}).setdefault(setting, []).append(value)
+            metrics = {} if "error" in summary else summary["results"][str(length)]
+            values[setting] = None if "error" in summary else metrics[exp.metric]
+            collect(per_seed, run.model, {setting: values[setting]})
             for label, metric in exp.baselines.items():
-                per_seed.setdefault(label, {}).setdefault(setting, []).append(
-                    None if "error" in summary else baseline_value(summary["results"][str(length)], label, metric,
-                                                                   run.run_id))
-        records[run.run_id] = {
-            "model": run.model, "panel": run.panel, "task": run.task, "seed": run.seed,
+                collect(per_seed, label, {setting: None if "error" in summary else
+                                          baseline_value(metrics, label, metric, run.run_id)})
+            for end, value in zip(metrics.get("position_ends", []), metrics.get(f"{exp.metric}_by_position", [])):
+                panel = ", ".join(filter(None, (run.panel, f"{exp.metric} by position at {length:g}")))
+                add_setting(panels, panel, f"{panel}/{end}", float(end), x_label=POSITION_LABEL, positions_of=setting)
+                values[f"{panel}/{end}"] = value
+                collect(per_seed, run.model, {f"{panel}/{end}": value})
+        records[run.run_id] = run_record(run, summary, values)
+    return {"panels": panels, **over_seeds(per_seed), "runs": records}
+
+
+def run_record(run: Run, summary: dict[str, Any], values: dict[str, float | None]) -> dict[str, Any]:
+    """The JSON's record of one training run: where it sits in the grid, its config, its values and how it trained
+    (or its error)."""
+    return {"model": run.model, "panel": run.panel, "task": run.task, "seed": run.seed,
             "config": run.config.to_dict(), "values": values,
             **({"error": summary["error"]} if "error" in summary else {
                 "num_parameters": summary["num_parameters"], "steps": summary["step"],
                 "seconds": round(summary["train_seconds"], 1), "skipped_steps": summary.get("skipped_steps", 0)})}
-    results = {m: {s: mean(v) for s, v in by_setting.items()} for m, by_setting in per_seed.items()}
-    spread = {m: {s: spread_of(v) for s, v in by_setting.items()} for m, by_setting in per_seed.items()}
-    return {"panels": panels, "results": results, "spread": spread, "runs": records}
+
+
+def collect(per_seed: dict[str, dict[str, list[float | None]]], row: str, values: dict[str, float | None]) -> None:
+    """Add one run's `values` to its row's values per setting (one per seed)."""
+    for setting, value in values.items():
+        per_seed.setdefault(row, {}).setdefault(setting, []).append(value)
+
+
+def over_seeds(per_seed: dict[str, dict[str, list[float | None]]]) -> dict[str, Any]:
+    """{"results": the mean over a row's runs (its seeds) of every setting, "spread": their [min, max]}."""
+    return {"results": {m: {s: mean(v) for s, v in by_setting.items()} for m, by_setting in per_seed.items()},
+            "spread": {m: {s: spread_of(v) for s, v in by_setting.items()} for m, by_setting in per_seed.items()}}
 
 
 def baseline_value(metrics: dict[str, float], label: str, metric: str, run_id: str) -> float:
@@ -219,7 +247,7 @@ def run_experiment(exp: Experiment, results_dir: Path, runs_dir: Path, jobs: int
                    quick: bool = False, quiet: bool = False) -> Path:
     """Run `exp` (resumably) and write `<results_dir>/<name>.json`; return its path."""
     from ..bench import describe_machine
-    from . import measure
+    from . import continual, measure
 
     jobs = jobs or default_jobs()
     results_dir.mkdir(parents=True, exist_ok=True)
@@ -239,6 +267,8 @@ def run_experiment(exp: Experiment, results_dir: Path, runs_dir: Path, jobs: int
         summaries = run_parallel(_train_or_error, list(zip([r.config for r in runs], dirs)),
                                  [r.run_id for r in runs], jobs, describe_run, quiet)
         body = train_results(exp, runs, summaries)
+    elif exp.kind == "continual":
+        body = continual.continual_results(exp, runs_dir, jobs, quick, quiet)
     elif exp.kind == "capacity":
         body = measure.capacity_results(exp, runs_dir / exp.name, jobs, quiet)
     else:

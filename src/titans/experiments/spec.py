@@ -4,11 +4,12 @@ A `train` experiment is variants × sizes × tasks × seeds training runs, each 
 table has one row per variant and one column per setting, a (panel, x) pair: the panel is the size (when there are
 several) and the task (when x is the length and there are several tasks), x the evaluation length (`x_axis: length`)
 or the task's own `x` (`x_axis: task`, e.g. the number of key-value pairs). The `capacity` and `efficiency`
-experiments measure instead of training; their grids are in their own sections (see `measure.py`).
+experiments measure instead of training; their grids are in their own sections (see `measure.py`). A `continual`
+experiment measures the trained runs of another experiment (see `continual.py`).
 
-`quick` holds changes to the experiment (`base` merged field by field, `capacity` and `efficiency` at their top
-level, other fields replaced) that make it a few seconds long: the
-tier the test suite runs, so that the runner, the JSON and the report are tested on every experiment.
+`quick` holds changes to the experiment (`base` merged field by field, `capacity`, `efficiency` and `continual` at
+their top level, other fields replaced) that make it a few seconds long: the tier the test suite runs, so that the
+runner, the JSON and the report are tested on every experiment.
 """
 
 from __future__ import annotations
@@ -63,6 +64,20 @@ class EfficiencyGrid(Config):
     memory_cap_gib: float = Field(16.0, gt=0)
 
 
+class ContinualGrid(Config):
+    """The memory learning at test time (`continual.continual_results`): the trained runs of `source` (trained
+    there, or here in its run directories when missing) read documents of its validation split in which a passage
+    of `passage` bytes appears twice, `gap` bytes apart, after `prefix` bytes; the bits per byte of each reading."""
+
+    source: str = "lm"  # an lm_bytes experiment of configs/experiments (its tier follows this one's)
+    prefix: int = Field(512, ge=0)
+    passage: int = Field(256, ge=2)  # its first byte is not scored (it follows a break in the text)
+    gaps: list[NonNegativeInt] = Field(default_factory=lambda: [512, 1024, 2048, 4096], min_length=1)
+    documents: int = Field(16, ge=1)  # per gap, the same for every model
+    batch_size: int = Field(8, ge=1)
+    piece: Optional[int] = Field(None, ge=1)  # read each document this many bytes per call through the state
+
+
 class Published(Config):
     """Figures someone else published for the same experiment, shown beside ours (never mixed into our results)."""
 
@@ -98,7 +113,7 @@ class Experiment(Config):
     title: str = ""
     about: str = ""  # what is measured and how: RESULTS.md's text above the table
     discussion: str = ""  # what we think explains the results: RESULTS.md's text below them
-    kind: Literal["train", "capacity", "efficiency"] = "train"
+    kind: Literal["train", "capacity", "efficiency", "continual"] = "train"
     metric: str = "accuracy"  # train: the evaluation metric reported (`titans.train.evaluate`'s keys)
     higher_is_better: bool = True
     variants: list[Variant] = Field(default_factory=lambda: list(VARIANTS), min_length=1)
@@ -107,6 +122,8 @@ class Experiment(Config):
     # label -> a metric of the runs' evaluation that scores a forecast made without a model on the same sequences
     # (`persistence: persistence_loss`): a row beside the models, the mean over the runs of what they report
     baselines: dict[str, str] = Field(default_factory=dict)
+    # another experiment whose rows (variants and extra models, in the same tier) this one takes instead of its own
+    models_from: str = ""
     sizes: dict[str, dict[str, Any]] = Field(default_factory=dict)  # label -> changes to `base`
     tasks: dict[str, TaskAxis] = Field(default_factory=dict)  # label -> task
     x_axis: Literal["length", "task"] = "length"
@@ -122,6 +139,7 @@ class Experiment(Config):
     stream_piece: Optional[int] = Field(None, ge=1)
     capacity: CapacityGrid = Field(default_factory=CapacityGrid)
     efficiency: EfficiencyGrid = Field(default_factory=EfficiencyGrid)
+    continual: ContinualGrid = Field(default_factory=ContinualGrid)
     compare: list[FromList[tuple[str, str]]] = Field(default_factory=list)  # (model, against): ratios reported
     published: Published = Field(default_factory=Published)
     heatmap: HeatMap = Field(default_factory=HeatMap)
@@ -176,7 +194,7 @@ class Experiment(Config):
         return {**{variant: {"variant": variant} for variant in self.variants}, **self.extra_models}
 
 
-MERGED = ("base", "capacity", "efficiency")  # the sections `quick` changes field by field
+MERGED = ("base", "capacity", "efficiency", "continual")  # the sections `quick` changes field by field
 
 
 def merge(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
@@ -212,7 +230,18 @@ def load_experiment(name: str, quick: bool = False, folder: Path | None = None) 
     if data.get("name", path.stem) != path.stem:
         raise ValueError(f"{path}: name {data.get('name')!r} must be the file's name {path.stem!r}")
     data.setdefault("name", path.stem)
-    if quick:  # base merges field by field at every level, capacity and efficiency at the top; the rest is replaced
+    source = data.get("models_from")
+    if source:  # the rows of another experiment of the same folder and tier: one list of models for both
+        if {"variants", "extra_models"} & (set(data) | set(data.get("quick") or {})):
+            raise ValueError(f"{path}: models_from takes the rows of {source!r}; variants and extra_models cannot "
+                             "be set beside it")
+        source_path = path.parent / f"{source}.yaml"
+        if source_path.is_file() and read_yaml_mapping(source_path).get("models_from"):  # no chains, no cycles
+            raise ValueError(f"{path}: models_from must name an experiment with rows of its own; {source!r} takes "
+                             "its rows from another")
+        rows = load_experiment(source, quick, path.parent)  # a missing one: its own error, naming it
+        data = {**data, "variants": rows.variants, "extra_models": rows.extra_models}
+    if quick:  # base merges field by field at every level, the other MERGED sections at the top; the rest is replaced
         full, changes = data, data.get("quick") or {}
         data = {**full, **changes}
         for key in MERGED:

@@ -104,3 +104,19 @@ class LmBytes(Task):
                              f"the corpus has {len(data)} bytes, fewer than length + 1")
         windows = random_windows(data, batch_size, length + 1, generator).long()
         return TokenBatch(windows[:, :-1], windows[:, 1:])
+
+
+def repeated_passage_documents(data: torch.Tensor, count: int, prefix: int, passage: int, gap: int,
+                               generator: torch.Generator) -> torch.Tensor:
+    """[count, prefix + passage + gap + passage] int64 documents of the corpus `data` in which a passage appears
+    twice: a window of prefix + passage + gap bytes as the corpus has it, then its passage (the `passage` bytes after
+    the prefix) once more. The first reading starts at `prefix`, the second at `prefix + passage + gap`; between them
+    lie `gap` bytes of the same text."""
+    for name, value, least in (("count", count, 1), ("passage", passage, 1), ("prefix", prefix, 0), ("gap", gap, 0)):
+        if value < least:
+            raise ValueError(f"{name} must be at least {least}, got {value}")
+    width = prefix + passage + gap
+    if len(data) < width:
+        raise ValueError(f"the corpus has {len(data)} bytes, fewer than prefix + passage + gap = {width}")
+    windows = random_windows(data, count, width, generator).long()
+    return torch.cat([windows, windows[:, prefix:prefix + passage]], 1)

@@ -24,7 +24,7 @@ from .precision import Precision
 # A new `steps` stretches the cosine schedule to the new end from the resumed step on: the learning rate
 # continues from where the new schedule stands, not from where the old one was.
 RESUMABLE_CHANGES = frozenset({"name", "steps", "time_budget_s", "eval_every", "eval_batches", "eval_batch_size",
-                               "eval_piece",
+                               "eval_piece", "eval_position_buckets",
                                "checkpoint_every", "keep_checkpoints", "log_every", "max_skips_in_row", "device",
                                "threads", "tensorboard", "compile", "task.eval_lengths"})
 
@@ -74,6 +74,9 @@ class TrainConfig(Config):
     eval_batch_size: int = Field(16, ge=1)
     # evaluate through the recurrent state, this many tokens per call; None: whole sequences
     eval_piece: Optional[int] = Field(None, ge=1)
+    # token tasks: also the mean loss over each of this many equal spans of positions (does a later token cost
+    # less?); 0: none
+    eval_position_buckets: int = Field(0, ge=0)
     checkpoint_every: int = Field(100, ge=0)  # 0: only at the end (or when time_budget_s runs out)
     keep_checkpoints: int = Field(2, ge=1)  # newest checkpoints kept in run_dir/checkpoints
     log_every: int = Field(10, ge=1)
@@ -96,6 +99,9 @@ class TrainConfig(Config):
         if self.batch_size % self.optim.grad_accum:
             raise ValueError(f"batch_size ({self.batch_size}) must be divisible by optim.grad_accum "
                              f"({self.optim.grad_accum})")
+        if self.eval_position_buckets > min(self.task.eval_lengths):
+            raise ValueError(f"eval_position_buckets ({self.eval_position_buckets}) must be at most the shortest of "
+                             f"task.eval_lengths ({min(self.task.eval_lengths)}): a bucket holds at least one position")
         return self
 
     @property

@@ -38,6 +38,7 @@ from .checkpoint import (
     load_trainer_state,
     load_weights,
     prepare_run_dir,
+    resolve_checkpoint,
     save_checkpoint,
 )
 from .config import OptimConfig, TrainConfig, check_model_fits_task, resume_mismatches
@@ -89,6 +90,8 @@ def checked_tasks(cfg: TrainConfig) -> tuple[Task, Task]:
     directory is touched, not after training."""
     task = build_task(cfg)
     eval_task = task.held_out()
+    if cfg.eval_position_buckets and task.vocab_size is None:
+        raise ValueError(f"eval_position_buckets is for token tasks; {task.name} is not one")
     task.sample(1, cfg.task.train_length, torch.Generator().manual_seed(0))
     for length in sorted({cfg.task.train_length, *cfg.task.eval_lengths}):
         eval_task.sample(1, length, torch.Generator().manual_seed(0))
@@ -105,6 +108,17 @@ def build_model(cfg: TrainConfig, task: Task) -> nn.Module:
     if task.num_classes is not None:
         return ClassificationHead(encoder, task.num_classes)
     return ForecastHead(encoder)
+
+
+def load_trained(ckpt: Path, device: str = "cpu") -> tuple[Path, TrainConfig, Task, nn.Module]:
+    """(checkpoint path, config, task, model in eval mode on `device`) of a checkpoint, or of a run directory's
+    latest."""
+    path = resolve_checkpoint(ckpt)
+    cfg = load_checkpoint_config(path)
+    task = build_task(cfg)
+    model = build_model(cfg, task).to(parameter_dtype(cfg.dtype))
+    load_weights(path, model)
+    return path, cfg, task, model.to(resolve_device(device)).eval()
 
 
 def lr_at(step: int, optim: OptimConfig, total_steps: int) -> float:
@@ -194,10 +208,46 @@ def loss_terms(model: nn.Module, batch: Batch, device: torch.device,
     return F.mse_loss(outputs.to(dtype), targets.to(dtype), reduction="sum"), outputs
 
 
+def position_ends(length: int, buckets: int) -> list[int]:
+    """The (exclusive) last position of each of `buckets` contiguous spans that split positions 0 .. length - 1 as
+    evenly as whole positions allow."""
+    if not 1 <= buckets <= length:
+        raise ValueError(f"position buckets must be between 1 and the length ({length}), got {buckets}")
+    return [(i + 1) * length // buckets for i in range(buckets)]
+
+
+class PositionLosses:
+    """The summed loss and the count of scored positions at every position of sequences of one length, over the
+    batches added, and their mean per bucket of positions (`position_ends`)."""
+
+    def __init__(self, length: int, buckets: int):
+        self.ends = position_ends(length, buckets)
+        self.loss = torch.zeros(length, dtype=torch.float64)
+        self.count = torch.zeros(length, dtype=torch.float64)
+
+    def add(self, logits: Tensor, targets: Tensor) -> None:
+        scored = targets != IGNORE_INDEX
+        losses = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX,
+                                 reduction="none").view(targets.shape)
+        self.loss += losses.double().sum(0).cpu()
+        self.count += scored.sum(0).double().cpu()
+
+    def metrics(self, bits: bool) -> dict[str, list]:
+        """{"position_ends", "loss_by_position"} (the mean loss per bucket in nats; None for a bucket with nothing
+        scored), and with `bits` also "bits_per_byte_by_position"."""
+        starts = [0, *self.ends[:-1]]
+        means = [None if self.count[a:b].sum() == 0 else (self.loss[a:b].sum() / self.count[a:b].sum()).item()
+                 for a, b in zip(starts, self.ends)]
+        out: dict[str, list] = {"position_ends": list(self.ends), "loss_by_position": means}
+        if bits:
+            out["bits_per_byte_by_position"] = [None if m is None else bits_per_byte(m) for m in means]
+        return out
+
+
 @torch.no_grad()
 def evaluate(model: nn.Module, task: Task, lengths: list[int], batches: int, batch_size: int, seed: int = 0,
              device: torch.device | str = "cpu", piece: int | None = None,
-             precision: str = "float32") -> dict[int, dict[str, float]]:
+             precision: str = "float32", position_buckets: int = 0) -> dict[int, dict[str, Any]]:
     """Per length, on `batches` x `batch_size` sequences drawn from (seed, length, row): mean loss per
     scored position, and for token tasks exact-match accuracy (rows with every scored token right)
     and token accuracy, and bits per byte for the byte-level LM. A task that is a finite set (`Task.full_set`, a
@@ -207,12 +257,18 @@ def evaluate(model: nn.Module, task: Task, lengths: list[int], batches: int, bat
     equals the last one seen (`targets[t] = inputs[t]`): what a forecaster must beat to have learnt more than to
     repeat. `piece`: read each sequence that many tokens at a time through the model's state (None: in one call).
     `precision`: the `dtype` the model was trained in (`loss_terms`), bfloat16 evaluating under bf16 autocast as it
-    trained."""
+    trained.
+    `position_buckets` (token tasks): also the mean loss over each of that many equal spans of positions
+    (`loss_by_position`, and `bits_per_byte_by_position` for the byte-level LM), each span ending at
+    `position_ends`: the loss against position in the context."""
+    if position_buckets and task.vocab_size is None:
+        raise ValueError(f"position_buckets is for token tasks; {task.name} is not one")
     was_training = model.training
     model.eval()
     results = {}
     for length in lengths:
         loss_sum, count, matches, right, persistence = 0.0, 0, 0.0, 0.0, 0.0
+        by_position = PositionLosses(length, position_buckets) if position_buckets else None
         whole = task.full_set(length)
         if whole is None:
             parts = (sample_rows(task, range(b * batch_size, (b + 1) * batch_size), length, EVAL_STREAM, seed, length)
@@ -228,6 +284,8 @@ def evaluate(model: nn.Module, task: Task, lengths: list[int], batches: int, bat
                 targets = batch.targets.to(outputs.device)
                 matches += exact_match(outputs, targets).sum().item()
                 right += token_accuracy(outputs, targets).item() * n
+                if by_position is not None:
+                    by_position.add(outputs, targets)
             elif isinstance(batch, LabelBatch):
                 matches += (outputs.argmax(-1) == batch.targets.to(outputs.device)).sum().item()
             else:
@@ -243,6 +301,8 @@ def evaluate(model: nn.Module, task: Task, lengths: list[int], batches: int, bat
             metrics["token_accuracy"] = right / max(count, 1)
             if task.name == "lm_bytes":
                 metrics["bits_per_byte"] = bits_per_byte(metrics["loss"])
+        if by_position is not None:
+            metrics.update(by_position.metrics(bits=task.name == "lm_bytes"))
         results[length] = metrics
     model.train(was_training)
     return results
@@ -331,7 +391,7 @@ class StepRead:
 class TrainResult:
     step: int
     final_loss: float  # training loss of the last step
-    evaluation: dict[int, dict[str, float]] = field(default_factory=dict)  # empty on ranks other than 0
+    evaluation: dict[int, dict[str, Any]] = field(default_factory=dict)  # empty on ranks other than 0
     seconds: float = 0.0  # training time, evaluation excluded
     num_parameters: int = 0
     skipped_steps: int = 0  # updates skipped for a non-finite loss or gradient
@@ -584,11 +644,12 @@ class Trainer:
         if self.metrics is not None:
             self.metrics.write(record)
 
-    def _evaluate(self, lengths: list[int]) -> dict[int, dict[str, float]]:
+    def _evaluate(self, lengths: list[int]) -> dict[int, dict[str, Any]]:
         if self.rank:
             return {}
         return evaluate(self.model, self.eval_task, lengths, self.cfg.eval_batches, self.cfg.eval_batch_size,
-                        device=self.device, piece=self.cfg.eval_piece, precision=self.cfg.dtype)
+                        device=self.device, piece=self.cfg.eval_piece, precision=self.cfg.dtype,
+                        position_buckets=self.cfg.eval_position_buckets)
 
 
 def setup_distributed(device: str = "cpu") -> bool:
