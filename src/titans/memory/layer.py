@@ -27,6 +27,7 @@ from ..layers.state import check_state_shapes, check_state_type
 from .delta import delta_rule_memory
 from .mlp import ACTIVATIONS, Weights, memory_apply
 from .parallel import parallel_memory
+from .step import memory_token_step
 
 
 def logit(p: float) -> float:
@@ -331,6 +332,10 @@ class NeuralMemory(nn.Module):
             v = F.normalize(v, dim=-1)
         gates = self._gate_logits(x).to(dtype).unflatten(-1, (3, self.heads)).permute(0, 3, 1, 2)  # [B, H, T, 3]
 
+        if seq == 1 and self.gradients == "chunk" and not torch.is_grad_enabled():  # generation: one token a step
+            y, new_state = self._token_step(q, k, v, gates, state, conv_cache.to(dtype))
+            return self._output(y, x), new_state
+
         # Continue the unfinished chunk: its pending tokens go first (their outputs are discarded),
         # so every chunk's gradients are taken at the weights it started with, as in one call.
         p = state.num_pending
@@ -365,6 +370,23 @@ class NeuralMemory(nn.Module):
             seq_pos=state.seq_pos + seq,
         )
         return self._output(y, x), new_state
+
+    def _token_step(self, q: Tensor, k: Tensor, v: Tensor, gates: Tensor, state: MemoryState, conv_cache: Tensor
+                    ) -> tuple[Tensor, MemoryState]:
+        """One token through `memory_token_step` (no autograd): the same outputs and state as `_memory` over the
+        pending tokens and this one (tests/memory/test_step.py), without the chunk path's machinery."""
+        if state.num_pending:
+            k, v, gates = (torch.cat([held, new], dim=2) for held, new in
+                           ((state.pending_k, k), (state.pending_v, v), (state.pending_gates, gates)))
+        theta, eta, alpha = self._gate_values(gates)
+        chunk_end = k.shape[2] == self.chunk_size
+        y, W, S = memory_token_step(
+            q, k, v, theta, eta, alpha, state.weights, state.momentum, chunk_end, activation=self.activation,
+            residual=self.residual, max_grad_norm=self.max_grad_norm, max_state_norm=self.max_state_norm,
+            normalize_chunk=self.normalize_chunk, hidden_step=self.hidden_step,
+        )
+        keep = 0 if chunk_end else k.shape[2]  # a completed chunk leaves nothing pending
+        return y, MemoryState(W, S, conv_cache, k[:, :, :keep], v[:, :, :keep], gates[:, :, :keep], state.seq_pos + 1)
 
     def current_weights(self, state: MemoryState) -> Weights:
         """The memory as it stands after the last consumed token (pending tokens applied)."""
