@@ -7,6 +7,8 @@ import torch
 
 from titans.memory import layer as layer_module
 from titans.memory import parallel_memory
+from titans.memory.decays import chunk_decays, last_row_decays
+from titans.memory.mlp import backward_deltas, chunk_step_norm, forward_cached, last_step_norm
 from titans.memory.step import memory_token_step
 
 from .test_functional import make_inputs, max_diff
@@ -18,6 +20,27 @@ RULES = {
     # bounds tight enough to act on these inputs, and the hidden layers at ρ θ
     "bounds active": {"max_grad_norm": 0.3, "max_state_norm": 0.5, "normalize_chunk": True, "hidden_step": 0.4},
 }
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float64, 1e-14), (torch.float32, 1e-6)])
+def test_last_row_decays_are_the_last_rows_of_the_chunk_decays(dtype, tolerance):
+    """Every chunk length up to 9, with saturated gates among them (η = 0, α = 1: the log floor) in float32 too."""
+    g = torch.Generator().manual_seed(3)
+    eta, alpha = torch.rand(2, 3, 9, generator=g, dtype=dtype), 0.3 * torch.rand(2, 3, 9, generator=g, dtype=dtype)
+    eta[0, 0, 2], alpha[1, 2, 4], eta[1, 1, 0] = 0.0, 1.0, 1.0
+    for n in range(1, 10):
+        full, row = chunk_decays(eta[..., :n], alpha[..., :n]), last_row_decays(eta[..., :n], alpha[..., :n])
+        expected = (full.beta[..., -1], full.c[..., -1], (full.B @ full.E)[..., -1, :], full.E[..., -1, :],
+                    full.e[..., -1])
+        assert max_diff(row, expected) <= tolerance
+
+
+def test_last_step_norm_is_the_last_row_of_the_chunk_step_norm():
+    _, k, v, _, _, _, weights, _ = make_inputs(seq=7, depth=2)
+    for n in range(1, 8):
+        out, inputs, preacts = forward_cached(k[:, :, :n], weights, "gelu", True)
+        deltas = backward_deltas(out, v[:, :, :n], weights, preacts, "gelu")
+        assert (last_step_norm(inputs, deltas) - chunk_step_norm(inputs, deltas)[..., -1, :]).abs().max() <= 1e-15
 
 
 @pytest.mark.parametrize("rule, depth, residual", list(itertools.product(RULES, [1, 2, 3], [True, False])))

@@ -13,7 +13,8 @@ is formed once per layer (a rank-t update of a [d_in, d_out] state): one query d
 scores, and the chunk path's autograd Function, workspace and C++ loop cost more than the whole step at n ≤ 16.
 
 Every quantity comes from the same functions the chunk path uses (`forward_cached`, `backward_deltas`,
-`token_grad_sq_norm`, `grad_norm_scale`, `chunk_step_norm`, `decay_terms`, `state_norm_scale`), so the step equals
+`token_grad_sq_norm`, `grad_norm_scale`, `state_norm_scale`, and `last_step_norm`, `last_row_decays`: the last rows
+of `chunk_step_norm` and `chunk_decays`, from the same factors), so the step equals
 `parallel_memory` on the same chunk to round-off (tests/memory/test_step.py, float64). It is an inference path: it
 checks nothing (its caller, `NeuralMemory`, built every argument) and is not meant to be differentiated.
 """
@@ -25,13 +26,13 @@ from typing import Optional
 from torch import Tensor
 
 from .checks import Theta
-from .fused import decay_terms
+from .decays import last_row_decays
 from .mlp import (
     Weights,
     backward_deltas,
-    chunk_step_norm,
     forward_cached,
     grad_norm_scale,
+    last_step_norm,
     memory_apply,
     state_norm_scale,
     token_grad_sq_norm,
@@ -75,13 +76,13 @@ def memory_token_step(
     deltas = backward_deltas(out, v, weights, preacts, activation)
     if max_grad_norm is not None:
         theta = theta * grad_norm_scale(token_grad_sq_norm(inputs, deltas), max_grad_norm)
-    decays = decay_terms(eta, alpha)
-    weight_coef = decays.D[..., -1, :] * theta  # C[t,s] = Σ_r B[t,r] E[r,s] θ_s, row t
-    momentum_coef = decays.E_last * theta  # θ_s E[t,s]
+    decays = last_row_decays(eta, alpha)
+    weight_coef = decays.D * theta  # C[t,s] = Σ_r B[t,r] E[r,s] θ_s, row t
+    momentum_coef = decays.E * theta  # θ_s E[t,s]
     if normalize_chunk:  # row t of K
-        norm = chunk_step_norm(inputs, deltas)[..., -1, :]
+        norm = last_step_norm(inputs, deltas)
         weight_coef, momentum_coef = weight_coef * norm, momentum_coef * norm
-    beta, c, e = (x[..., None, None] for x in (decays.beta[..., -1], decays.c[..., -1], decays.e_last))
+    beta, c, e = (x[..., None, None] for x in (decays.beta, decays.c, decays.e))
     depth = len(weights)
     current, new_momentum = [], []
     for i, (w, s, a, delta) in enumerate(zip(weights, momentum, inputs, deltas)):
