@@ -15,10 +15,11 @@ TINY = {"vocab_size": 32, "dim": 16, "depth": 1, "heads": 2, "window": 4, "segme
 def test_rows_per_variant_with_the_ratio_to_the_transformer():
     rows = measure_generation(TINY, ["transformer", "mac"], prompt_len=6, new_tokens=3, rounds=1)
     assert [r["variant"] for r in rows] == ["transformer", "mac"]
-    assert rows[0]["vs_transformer"] == 1.0
+    assert rows[0]["vs_transformer"] == rows[0]["cpu_vs_transformer"] == 1.0
     for row in rows:
         assert row["tokens_per_s"] > 0 and row["ops_per_token"] > 0 and row["num_parameters"] > 0
-        assert abs(row["vs_transformer"] - row["tokens_per_s"] / rows[0]["tokens_per_s"]) < 1e-9
+        for rate, ratio in (("tokens_per_s", "vs_transformer"), ("tokens_per_cpu_s", "cpu_vs_transformer")):
+            assert abs(row[ratio] - row[rate] / rows[0][rate]) < 1e-9
 
 
 def test_ops_are_counted_per_token():
