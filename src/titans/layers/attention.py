@@ -117,6 +117,8 @@ def segment_visibility(n_persistent: int, offset: int, n_queries: int, n_keys: i
 def segment_attention(q: Tensor, k: Tensor, v: Tensor, n_persistent: int, offset: int) -> Tensor:
     """Fast path: one SDPA call over keys [p ‖ h ‖ x] (h and x each `(k.shape[2] − n_persistent) / 2` long)."""
     n_keys = (k.shape[2] - n_persistent) // 2
+    if q.shape[2] == 1 and n_keys == offset + 1:  # one query, the segment's last token so far: it sees every key
+        return F.scaled_dot_product_attention(q, k, v)
     mask = segment_visibility(n_persistent, offset, q.shape[2], n_keys).to(q.device)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
