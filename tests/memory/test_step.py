@@ -108,3 +108,15 @@ def test_a_generated_state_continues_like_one_call():
             y_head, state = run_in_pieces(memory, x[:, :cut], list(range(1, cut)))
         y_tail, _ = memory(x[:, cut:], state)
         assert (torch.cat([y_head, y_tail], 1) - y).abs().max() <= 1e-12
+
+
+@pytest.mark.parametrize("chunk_size", [1, 3])
+def test_generation_at_other_chunk_sizes_equals_one_call(chunk_size):
+    """Chunk size 1 ends a chunk (and bounds the state) at every token."""
+    memory = make_memory(chunk_size=chunk_size, max_state_norm=0.3)
+    x = torch.randn(1, 10, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        y, state = memory(x)
+        y_tokens, state_tokens = run_in_pieces(memory, x, list(range(1, 10)))
+    assert (y_tokens - y).abs().max() <= 1e-12
+    assert max_diff(state_tokens.weights + state_tokens.momentum, state.weights + state.momentum) <= 1e-12
