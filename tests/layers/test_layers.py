@@ -172,7 +172,7 @@ def test_segment_visibility_rule():
     assert mask[:, :2].all()
 
 
-@pytest.mark.parametrize("n_persistent, offset, n", [(0, 0, 7), (3, 0, 7), (2, 4, 3), (2, 6, 1)])
+@pytest.mark.parametrize("n_persistent, offset, n", [(0, 0, 7), (3, 0, 7), (2, 4, 3), (2, 6, 1), (0, 0, 1)])
 def test_segment_attention_equals_reference(n_persistent, offset, n):
     n_keys = offset + n
     q = randn(2, 2, n, 8, seed=offset)

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from titans import TitansConfig, TitansLM
+from titans.layers import states_trusted, trusted_states
 from titans.layers.attention import reference_window_attention
 from titans.memory import NeuralMemory
 from titans.models import VARIANTS, load_state, sample_next, save_state
@@ -150,6 +151,19 @@ def test_a_state_from_another_batch_or_size_is_refused(variant):
     if variant in ("mag", "mal"):  # the prefix keys are the only trace of n_persistent in their state
         with pytest.raises(ValueError, match="holds 2 persistent-token keys, this model has 3"):
             tiny_model(variant, n_persistent=3)(tokens(2, 3), state)
+
+
+def test_generation_checks_the_callers_state_and_trusts_only_its_own():
+    """generate() skips the state checks only for the states it made itself: a state from another batch size is
+    refused at the prompt, and the trust ends with the call (also when it fails)."""
+    state = tiny_model("mac").memorize(tokens(2, 12))
+    with pytest.raises(ValueError, match="another batch size"):
+        tiny_model("mac").generate(tokens(3, 3), 4, temperature=0.0, state=state)
+    assert not states_trusted()
+    with trusted_states():
+        assert states_trusted()
+    with pytest.raises(ValueError, match="another batch size"):
+        tiny_model("mac")(tokens(3, 3), state)
 
 
 def test_a_state_file_records_its_model(tmp_path):

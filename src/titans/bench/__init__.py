@@ -266,3 +266,40 @@ def recall(
                       for t in chosen_tasks},
             "runs": rows}, indent=1))
         typer.echo(f"wrote {out}")
+
+
+@bench_app.command("generate")
+def generate(
+    variants: str = typer.Option("transformer,lmm,mac,mag,mal", help="Model variants."),
+    prompt_len: int = typer.Option(1024, min=2, help="Prompt tokens, read into the state before the timing."),
+    new_tokens: int = typer.Option(64, min=1, help="Tokens generated (greedy) per timed run."),
+    rounds: int = typer.Option(5, min=1, help="Timed runs of every model, interleaved; the best of each is reported."),
+    threads: Optional[int] = typer.Option(None, min=1, help="torch threads (default: torch's, as the efficiency "
+                                                            "experiment runs)."),
+    overrides: Optional[list[str]] = typer.Option(None, "--set", help="A change to the efficiency experiment's model, "
+                                                                      "as `titans train` takes it: model.dim=256"),
+    out: Optional[Path] = typer.Option(None, help="Write the rows as JSON here."),
+) -> None:
+    """Generation tokens/s of every variant at the efficiency experiment's model config, interleaved in one process,
+    with the ratio to the transformer measured in the same run and the ATen operations per token."""
+    import sys
+
+    import torch
+
+    from ..config import apply_overrides
+    from ..experiments.spec import load_experiment
+    from ..models import VARIANTS
+    from .generate import format_table, measure_generation
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    base = apply_overrides({"model": load_experiment("efficiency").base["model"]}, overrides or [])
+    rows = measure_generation(base["model"], _choices(variants, "variants", VARIANTS), prompt_len, new_tokens, rounds)
+    typer.echo(f"machine: {describe_machine()}; {torch.get_num_threads()} threads; {new_tokens} tokens after a "
+               f"{prompt_len}-token prompt, best of {rounds} interleaved rounds; model {base['model']}")
+    typer.echo(format_table(rows))
+    if out is not None:
+        out.write_text(json.dumps({"command": "titans " + " ".join(sys.argv[1:]), "machine": describe_machine(),
+                                   "model": base["model"], "prompt_len": prompt_len, "new_tokens": new_tokens,
+                                   "rounds": rounds, "rows": rows}, indent=1))
+        typer.echo(f"wrote {out}")

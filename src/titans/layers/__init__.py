@@ -19,11 +19,11 @@ from .mlp import SwiGLU
 from .norm import RMSNorm
 from .persistent import PersistentMemory
 from .rope import RotaryEmbedding
-from .state import check_state_shapes, check_state_type
+from .state import check_state_shapes, check_state_type, states_trusted, trusted_states
 
 __all__ = [
     "Attention", "HeadProjections", "KVCache", "SegmentAttention", "SegmentCache", "banded_attention",
     "explicit_attention", "reference_attention", "reference_segment_attention", "segment_attention",
     "segment_visibility", "visibility", "CausalDepthwiseConv", "causal_depthwise_conv", "SwiGLU", "RMSNorm",
-    "PersistentMemory", "RotaryEmbedding", "check_state_shapes", "check_state_type",
+    "PersistentMemory", "RotaryEmbedding", "check_state_shapes", "check_state_type", "states_trusted", "trusted_states",
 ]

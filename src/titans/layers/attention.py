@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .rope import RotaryEmbedding
-from .state import check_state_shapes, check_state_type
+from .state import check_state_shapes, check_state_type, states_trusted
 
 # Query blocks are at least this long: much shorter blocks pay more in per-call overhead than they
 # save in masked-out scores.
@@ -147,6 +147,8 @@ def segment_visibility(n_persistent: int, offset: int, n_queries: int, n_keys: i
 def segment_attention(q: Tensor, k: Tensor, v: Tensor, n_persistent: int, offset: int) -> Tensor:
     """Fast path: one SDPA call over keys [p ‖ h ‖ x] (h and x each `(k.shape[2] − n_persistent) / 2` long)."""
     n_keys = (k.shape[2] - n_persistent) // 2
+    if q.shape[2] == 1 and n_keys == offset + 1:  # one query, the segment's last token so far: it sees every key
+        return F.scaled_dot_product_attention(q, k, v)
     mask = segment_visibility(n_persistent, offset, q.shape[2], n_keys).to(q.device)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
@@ -180,10 +182,21 @@ class HeadProjections(nn.Module):
 
     def project(self, x: Tensor, positions: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
         """q, k, v `[batch, heads, seq, head_dim]`; RoPE at `positions` (None: no rotation)."""
-        q, k, v = (t.unflatten(-1, (self.heads, self.head_dim)).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
+        q, k, v = self._heads(self.qkv(x), 3)
         if positions is not None:
-            q, k = self.rope(q, positions), self.rope(k, positions)
+            cos, sin = self.rope.angles(positions, q.dtype)  # one pair of tables for q and k
+            q, k = self.rope.rotate(q, cos, sin), self.rope.rotate(k, cos, sin)
         return q, k, v
+
+    def project_keys(self, x: Tensor, positions: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+        """k, v alone (what `project` returns but q), for tokens that are only attended to."""
+        dim = self.heads * self.head_dim
+        k, v = self._heads(F.linear(x, self.qkv.weight[dim:]), 2)
+        return (k if positions is None else self.rope(k, positions)), v
+
+    def _heads(self, projected: Tensor, parts: int) -> tuple[Tensor, ...]:
+        """`parts` tensors `[batch, heads, seq, head_dim]` from `[batch, seq, parts · dim]`."""
+        return tuple(t.unflatten(-1, (self.heads, self.head_dim)).transpose(1, 2) for t in projected.chunk(parts, -1))
 
     def merge(self, y: Tensor) -> Tensor:
         return self.dropout(self.out(y.transpose(1, 2).flatten(2)))
@@ -248,6 +261,8 @@ class Attention(HeadProjections):
         return self.merge(y), KVCache(cache.prefix_k, cache.prefix_v, recent_k, recent_v, pos + x.shape[1])
 
     def _check_kv_cache(self, cache: KVCache, batch: int) -> None:
+        if states_trusted():
+            return
         self.check_cache(cache, KVCache, batch)
         # Full attention keeps every past key, a window the last `window`: a cache of the other kind (or of
         # another window) has the wrong number of keys for its position.
@@ -286,14 +301,14 @@ class SegmentAttention(HeadProjections):
             raise ValueError(f"x ({n} tokens at segment offset {offset}) crosses the segment end ({self.segment_len})")
         positions = torch.arange(offset, offset + n, device=x.device)
         q, k_x, v_x = self.project(x, positions)
-        _, k_h, v_h = self.project(h, positions)
+        k_h, v_h = self.project_keys(h, positions)
         if cache is not None:
             k_h, v_h = torch.cat([cache.k_h, k_h], 2), torch.cat([cache.v_h, v_h], 2)
             k_x, v_x = torch.cat([cache.k_x, k_x], 2), torch.cat([cache.v_x, v_x], 2)
         keys, values, n_persistent = [k_h, k_x], [v_h, v_x], 0
         if persistent is not None:
             n_persistent = persistent.shape[0]
-            _, k_p, v_p = self.project(persistent.to(x.dtype)[None], None)
+            k_p, v_p = self.project_keys(persistent.to(x.dtype)[None], None)
             keys.insert(0, k_p.expand(x.shape[0], -1, -1, -1))
             values.insert(0, v_p.expand(x.shape[0], -1, -1, -1))
         y = segment_attention(q, torch.cat(keys, 2), torch.cat(values, 2), n_persistent, offset)

@@ -6,14 +6,37 @@ matmul with a message about tensor numbers or, where the shapes happen to fit, r
 
 from __future__ import annotations
 
-from typing import Mapping, Optional
+import contextlib
+from contextvars import ContextVar
+from typing import Iterator, Mapping, Optional
 
 from torch import Tensor
 
 Sizes = tuple[Optional[int], ...]  # None: a size that may vary (a cache's length)
 
+_trusted: ContextVar[bool] = ContextVar("titans_trusted_states", default=False)
+
+
+@contextlib.contextmanager
+def trusted_states() -> Iterator[None]:
+    """Inside it, every state handed to a layer is one the model itself has just returned (generation's token loop,
+    after the prompt's call checked the caller's state), so the layers skip checking it: per token, the checks cost
+    more Python than the small models' arithmetic."""
+    token = _trusted.set(True)
+    try:
+        yield
+    finally:
+        _trusted.reset(token)
+
+
+def states_trusted() -> bool:
+    """Whether the states are the model's own (inside `trusted_states`): the checks below then return at once."""
+    return _trusted.get()
+
 
 def check_state_type(owner: str, state: object, cls: type) -> None:
+    if states_trusted():
+        return
     if not isinstance(state, cls):
         raise ValueError(f"{owner} continues from a state of type {cls.__name__}, got {type(state).__name__} "
                          "(a state from another kind of model?)")
@@ -21,6 +44,8 @@ def check_state_type(owner: str, state: object, cls: type) -> None:
 
 def check_state_shapes(owner: str, shapes: Mapping[str, tuple[Tensor, Sizes]]) -> None:
     """`shapes`: field name -> (tensor, expected sizes); a ValueError names the first field that differs."""
+    if states_trusted():
+        return
     for name, (tensor, expected) in shapes.items():
         if tensor.dim() != len(expected) or any(e is not None and s != e for s, e in zip(tensor.shape, expected)):
             want = ", ".join("*" if e is None else str(e) for e in expected)

@@ -76,3 +76,25 @@ def channel_decays(decays: Decays, alpha: Tensor) -> Decays:
     beta, B = forget_decays(alpha.transpose(-1, -2))
     c = (B @ decays.e[..., None, :, None]).squeeze(-1)
     return decays._replace(beta=beta, B=B, c=c)
+
+
+class LastRowDecays(NamedTuple):
+    """Row t of a chunk's decays, t its last token so far: what one token's step needs (`step.py`)."""
+
+    beta: Tensor  # β_t = Π_{j≤t}(1 − α_j)                     [...]
+    c: Tensor  # c_t = Σ_r B[t,r] e_r                           [...]
+    D: Tensor  # D[t,s] = Σ_r B[t,r] E[r,s] (C = D diag θ)       [..., n]
+    E: Tensor  # E[t,s] = Π_{s<j≤t} η_j                          [..., n]
+    e: Tensor  # e_t = Π_{j≤t} η_j                               [...]
+
+
+def last_row_decays(eta: Tensor, alpha: Tensor) -> LastRowDecays:
+    """The last rows of `chunk_decays` and of D = B E, from the same log-space factors, without B's other rows."""
+    n = eta.shape[-1]
+    log_keep, log_eta = _safe_log(1.0 - alpha), _safe_log(eta)
+    E = _masked_exp_cumdiff(log_eta)  # every row: D[t,s] sums E[r,s] over r
+    later = torch.ones(n, n, dtype=eta.dtype, device=eta.device).triu(1)  # [r, j]: j > r
+    B_last = torch.exp((log_keep.unsqueeze(-2) * later).sum(-1))  # B[t,r] = exp(Σ_{r<j≤t} log(1 − α_j))
+    e = torch.exp(torch.cumsum(log_eta, dim=-1))
+    D_last = (B_last.unsqueeze(-2) @ E).squeeze(-2)
+    return LastRowDecays(torch.exp(log_keep.sum(-1)), (B_last * e).sum(-1), D_last, E[..., -1, :], e[..., -1])

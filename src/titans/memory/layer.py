@@ -23,11 +23,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..layers.conv import CausalDepthwiseConv, causal_depthwise_conv
-from ..layers.state import check_state_shapes, check_state_type
+from ..layers.state import check_state_shapes, check_state_type, states_trusted
 from .checks import Alpha
 from .delta import delta_rule_memory
 from .mlp import ACTIVATIONS, Weights, memory_apply
 from .parallel import IMPLEMENTATIONS, parallel_memory
+from .step import memory_token_step
 
 
 def logit(p: float) -> float:
@@ -252,6 +253,8 @@ class NeuralMemory(nn.Module):
 
     def _check_state(self, state: MemoryState, batch: int) -> None:
         """A state this memory could have returned for a batch of `batch` streams (see layers/state.py)."""
+        if states_trusted():
+            return
         check_state_type("NeuralMemory", state, MemoryState)
         if len(state.weights) != len(self.initial_weights) or len(state.momentum) != len(self.initial_weights):
             raise ValueError(f"NeuralMemory: state holds {len(state.weights)} weight and {len(state.momentum)} "
@@ -357,6 +360,11 @@ class NeuralMemory(nn.Module):
             v = F.normalize(v, dim=-1)
         gates = self._gate_logits(x).to(dtype).unflatten(-1, (self.gates_per_head, self.heads)).permute(0, 3, 1, 2)
 
+        # generation: one token a step (the one-token step takes the scalar α; a channel-wise α takes the chunk path)
+        if seq == 1 and self.gradients == "chunk" and not self.forgetting_channels and not torch.is_grad_enabled():
+            y, new_state = self._token_step(q, k, v, gates, state, conv_cache.to(dtype))
+            return self._output(y, x), new_state
+
         # Continue the unfinished chunk: its pending tokens go first (their outputs are discarded),
         # so every chunk's gradients are taken at the weights it started with, as in one call.
         p = state.num_pending
@@ -391,6 +399,23 @@ class NeuralMemory(nn.Module):
             seq_pos=state.seq_pos + seq,
         )
         return self._output(y, x), new_state
+
+    def _token_step(self, q: Tensor, k: Tensor, v: Tensor, gates: Tensor, state: MemoryState, conv_cache: Tensor
+                    ) -> tuple[Tensor, MemoryState]:
+        """One token through `memory_token_step` (no autograd): the same outputs and state as `_memory` over the
+        pending tokens and this one (tests/memory/test_step.py), without the chunk path's machinery."""
+        if state.num_pending:
+            k, v, gates = (torch.cat([held, new], dim=2) for held, new in
+                           ((state.pending_k, k), (state.pending_v, v), (state.pending_gates, gates)))
+        theta, eta, alpha = self._gate_values(gates)
+        chunk_end = k.shape[2] == self.chunk_size
+        y, W, S = memory_token_step(
+            q, k, v, theta, eta, alpha, state.weights, state.momentum, chunk_end, activation=self.activation,
+            residual=self.residual, max_grad_norm=self.max_grad_norm, max_state_norm=self.max_state_norm,
+            normalize_chunk=self.normalize_chunk, hidden_step=self.hidden_step,
+        )
+        keep = 0 if chunk_end else k.shape[2]  # a completed chunk leaves nothing pending
+        return y, MemoryState(W, S, conv_cache, k[:, :, :keep], v[:, :, :keep], gates[:, :, :keep], state.seq_pos + 1)
 
     def current_weights(self, state: MemoryState) -> Weights:
         """The memory as it stands after the last consumed token (pending tokens applied)."""

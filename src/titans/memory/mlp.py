@@ -127,10 +127,24 @@ def chunk_step_norm(inputs: list[Tensor], deltas: list[Tensor]) -> Tensor:
     G comes from n × n products (token s's gradient for layer i is a_sᵀ δ_s, so G = Σ_i (a_i a_iᵀ) ⊙ (δ_i δ_iᵀ)); the
     factor is a constant to the outer gradient, like the bounds."""
     with torch.no_grad():
-        gram = sum((a @ a.transpose(-1, -2)) * (d @ d.transpose(-1, -2)) for a, d in zip(inputs, deltas))
+        gram = _gradient_gram(inputs, deltas)
         overlap = gram.abs().cumsum(-1)  # [s, t] = Σ_{r≤t} |G_sr| ≥ G_ss for t ≥ s
         own = gram.diagonal(dim1=-2, dim2=-1).unsqueeze(-1)
         return (own / overlap.clamp_min(torch.finfo(gram.dtype).tiny)).transpose(-1, -2).tril()
+
+
+def last_step_norm(inputs: list[Tensor], deltas: list[Tensor]) -> Tensor:
+    """Row t of `chunk_step_norm` for the last token t of `inputs`/`deltas` (a chunk so far): K[t, s] = G_ss /
+    Σ_r |G_sr|, r over the whole chunk so far, `[..., n]`. What one token's step needs (`step.py`), without the other
+    rows."""
+    with torch.no_grad():
+        gram = _gradient_gram(inputs, deltas)
+        return gram.diagonal(dim1=-2, dim2=-1) / gram.abs().sum(-1).clamp_min(torch.finfo(gram.dtype).tiny)
+
+
+def _gradient_gram(inputs: list[Tensor], deltas: list[Tensor]) -> Tensor:
+    """G[s, r] = ⟨∇ℓ_s, ∇ℓ_r⟩ = Σ_i (a_i a_iᵀ) ⊙ (δ_i δ_iᵀ) over a chunk's tokens, no per-token gradient formed."""
+    return sum((a @ a.transpose(-1, -2)) * (d @ d.transpose(-1, -2)) for a, d in zip(inputs, deltas))
 
 
 def grad_norm_scale(sq_norm: Tensor, max_grad_norm: float | None) -> Tensor | float:

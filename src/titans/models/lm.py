@@ -19,7 +19,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_model, save_model
 from torch import Tensor, nn
 
-from ..layers import RMSNorm
+from ..layers import RMSNorm, trusted_states
 from ..memory.checks import checks_values
 from .baselines import build_gated_deltanet_mixer, build_lstm_mixer, build_swa_mixer, build_transformer_mixer
 from .common import Block, count_parameters, mlp_hidden_size
@@ -132,6 +132,9 @@ class TitansLM(nn.Module):
 
     def forward(self, tokens: Tensor, state: Optional[State] = None) -> tuple[Tensor, State]:
         check_tokens(tokens, self.config.vocab_size)
+        return self._logits(tokens, state)
+
+    def _logits(self, tokens: Tensor, state: Optional[State]) -> tuple[Tensor, State]:
         h, state = self.backbone(self.embed(tokens), state)
         return self.head(h), state
 
@@ -161,12 +164,15 @@ class TitansLM(nn.Module):
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         check_sampling(temperature, top_k, top_p)
-        logits, state = self(prompt, state)
+        logits, state = self(prompt, state)  # checks the prompt and the caller's state
         tokens = [prompt]
-        for _ in range(max_new_tokens):
-            next_token = sample_next(logits[:, -1], temperature, top_k, top_p, generator)[:, None]
-            tokens.append(next_token)
-            logits, state = self(next_token, state)
+        # From here on each token is one the sampler drew from the vocabulary and each state the one the model just
+        # returned: neither is checked again (on a GPU the token check would wait for the device every step).
+        with trusted_states():
+            for _ in range(max_new_tokens):
+                next_token = sample_next(logits[:, -1], temperature, top_k, top_p, generator)[:, None]
+                tokens.append(next_token)
+                logits, state = self._logits(next_token, state)
         out = torch.cat(tokens, 1)
         return (out, state) if return_state else out
 
