@@ -1,5 +1,13 @@
+import os
+
 import pytest
 import torch
+
+# Without a GPU the Triton kernels run under Triton's interpreter (tests/memory/test_triton.py). The variable must be
+# set before triton is first imported, and that can happen long before the kernels' tests (torch imports triton for
+# its compiler where triton is installed): so here, before any test module is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-if not torch.cuda.is_available():
+if not torch.cuda.is_available():  # (tests/conftest.py sets it first, before anything imports triton)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton", reason="triton is not installed (pip install -c constraints.txt -e '.[gpu]')")
 
