@@ -125,7 +125,7 @@ def test_batches_are_next_step_windows_of_the_split():
 
 
 def test_files_are_read_on_first_use_and_missing_packages_are_named(monkeypatch):
-    task = get_task("forecast_wind", weather="none.csv", weather_root=str(ROOT))  # builds: nothing read yet
+    task = toy(weather="none.csv")  # builds: nothing read yet
     assert task.num_features == 1
     with pytest.raises(ValueError, match="TMY3 file .*none.csv does not exist"):
         task.sample(1, 4, gen())
