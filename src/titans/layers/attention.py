@@ -232,8 +232,9 @@ class Attention(HeadProjections):
             self._check_kv_cache(cache, x.shape[0])
         pos = cache.pos if cache is not None else 0
         positions = torch.arange(pos, pos + x.shape[1], device=x.device)
-        q_plain, k_plain, v = self.project(x, None)
-        q, k = self.rope(q_plain, positions), self.rope(k_plain, positions)
+        q_plain, k_plain, v = self.project(x, None)  # the prefix is scored without RoPE, so rotate here
+        cos, sin = self.rope.angles(positions, q_plain.dtype)  # one pair of tables for q and k, as in project()
+        q, k = self.rope.rotate(q_plain, cos, sin), self.rope.rotate(k_plain, cos, sin)
         if cache is None:  # the prefix's keys are kept without RoPE: persistent tokens have no position
             empty = k[:, :, :0]
             cache = KVCache(k_plain[:, :, :prefix_len], v[:, :, :prefix_len], empty, empty, 0)
@@ -251,8 +252,8 @@ class Attention(HeadProjections):
                 torch.arange(pos - n_past, pos, device=x.device),
                 positions_kv,
             ])
-            keys = torch.cat([cache.prefix_k, band_k], dim=2)
-            if n_prefix:
+            keys = band_k
+            if n_prefix:  # the persistent keys first, scored without RoPE
                 q, keys = position_free_prefix(q, q_plain, cache.prefix_k, band_k)
             y = banded_attention(q, positions, keys, values, k_pos, n_prefix, self.window, scale=self.head_dim**-0.5)
         recent_k, recent_v = band_k, torch.cat([cache.v, v], dim=2)

@@ -60,22 +60,27 @@ def forget_decays(alpha: Tensor) -> tuple[Tensor, Tensor]:
     return torch.exp(torch.cumsum(log_keep, dim=-1)), _masked_exp_cumdiff(log_keep)
 
 
+def momentum_decays(eta: Tensor) -> tuple[Tensor, Tensor]:
+    """(E, e) of the momentum gate alone: E[t,s] = Π_{s<j≤t} η_j (lower triangular), e_t = Π_{j≤t} η_j."""
+    log_eta = _safe_log(eta)
+    return _masked_exp_cumdiff(log_eta), torch.exp(torch.cumsum(log_eta, dim=-1))
+
+
 def chunk_decays(eta: Tensor, alpha: Tensor) -> Decays:
     """Decay matrices of DESIGN.md §2 step 2, in log space; the chunk is the last dim of eta/alpha."""
     beta, B = forget_decays(alpha)
-    log_eta = _safe_log(eta)
-    E = _masked_exp_cumdiff(log_eta)
-    e = torch.exp(torch.cumsum(log_eta, dim=-1))
+    E, e = momentum_decays(eta)
     c = (B @ e.unsqueeze(-1)).squeeze(-1)
     return Decays(beta, c, B, E, e)
 
 
-def channel_decays(decays: Decays, alpha: Tensor) -> Decays:
-    """`decays` with α per channel: `alpha` [..., n, d] (a layer's forgetting per output column, chunk dim second to
-    last) replaces β, c by [..., d, n] and B by [..., d, n, n], one decay per column; η's E and e are shared."""
+def channel_decays(E: Tensor, e: Tensor, alpha: Tensor) -> Decays:
+    """The decays with α per channel: `alpha` [..., n, d] (a layer's forgetting per output column, chunk dim second
+    to last) gives β, c [..., d, n] and B [..., d, n, n], one decay per column; η's E and e (`momentum_decays`) are
+    shared by every column."""
     beta, B = forget_decays(alpha.transpose(-1, -2))
-    c = (B @ decays.e[..., None, :, None]).squeeze(-1)
-    return decays._replace(beta=beta, B=B, c=c)
+    c = (B @ e[..., None, :, None]).squeeze(-1)
+    return Decays(beta, c, B, E, e)
 
 
 class LastRowDecays(NamedTuple):

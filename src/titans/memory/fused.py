@@ -535,6 +535,15 @@ def _backward_chunks(cfg: ScanConfig, record, theta: Tensor, blocks: list[ChunkD
         d_cur = targets[i]
 
 
+def refuse_double_backward(name: str) -> None:
+    """Refuse a backward pass taken under create_graph=True (the only time grad mode is on in one). The scans'
+    backward passes are written by hand and not differentiable; `once_differentiable` raises only when an incoming
+    gradient requires grad, so a loss linear in y would get a silent zero second derivative instead."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(f"the {name} memory's backward pass is not differentiable (create_graph=True): use "
+                           "parallel_memory(..., implementation='autograd') for higher-order gradients")
+
+
 class MemoryScan(torch.autograd.Function):
     """(q, k, v, θ, η, α, W_1, S_1, …) -> (y, W_1', S_1', …), all `[BH, …]`; see the module docstring.
 
@@ -585,12 +594,7 @@ class MemoryScan(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy, *d_final):  # type: ignore[override]
-        # Grad mode is on in a backward pass only under create_graph=True. `once_differentiable` raises there
-        # only when an incoming gradient requires grad; a loss linear in y would get a silent zero second
-        # derivative instead, so refuse every double backward here.
-        if torch.is_grad_enabled():
-            raise RuntimeError("the fused memory's backward pass is not differentiable (create_graph=True): use "
-                               "parallel_memory(..., implementation='autograd') for higher-order gradients")
+        refuse_double_backward("fused")
         return MemoryScan._backward(ctx, dy, *d_final)
 
     @staticmethod

@@ -21,7 +21,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from .checks import Alpha, Theta, check_memory_args, without_autocast
-from .decays import Decays, channel_decays, chunk_decays
+from .decays import Decays, channel_decays, chunk_decays, momentum_decays
 from .fused import MemoryScan, ScanConfig
 from .mlp import (
     ACTIVATIONS,
@@ -160,8 +160,8 @@ def _run_chunks(
     if isinstance(alpha, Tensor):
         layer_decays = (chunk_decays(eta_chunks, alpha.unflatten(-1, (chunks, n))),)  # one, shared by every layer
     else:
-        shared = chunk_decays(eta_chunks, torch.zeros_like(eta_chunks))
-        layer_decays = tuple(channel_decays(shared, a.unflatten(2, (chunks, n))) for a in alpha)
+        E, e = momentum_decays(eta_chunks)
+        layer_decays = tuple(channel_decays(E, e, a.unflatten(2, (chunks, n))) for a in alpha)
     theta_chunks = theta.unflatten(-1, (chunks, n)) if isinstance(theta, Tensor) else theta
     outputs = []
     for j in range(chunks):

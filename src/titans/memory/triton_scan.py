@@ -37,7 +37,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .checks import without_autocast
-from .fused import ChunkDecays, ScanConfig, _block_decays, _groups
+from .fused import ChunkDecays, ScanConfig, _block_decays, _groups, refuse_double_backward
 
 # Set before this module is imported (`triton.jit` reads it when it decorates): the kernels run on CPU tensors, in
 # numpy.
@@ -615,9 +615,7 @@ class TritonScan(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy, *d_final):  # type: ignore[override]
-        if torch.is_grad_enabled():  # as in fused.MemoryScan: refuse every double backward, not only some
-            raise RuntimeError("the Triton memory's backward pass is not differentiable (create_graph=True): use "
-                               "parallel_memory(..., implementation='autograd') for higher-order gradients")
+        refuse_double_backward("Triton")
         return TritonScan._backward(ctx, dy, *d_final)
 
     @staticmethod
