@@ -408,13 +408,18 @@ def test_mag_follows_the_paper():
     assert (mixer(x)[0] - expected).abs().max() <= 1e-12
 
 
-def test_mal_follows_the_paper():
-    """Eqs. 29-31: x̃ = [p ‖ x], y = M(x̃), o = SW-Attn(norm(y)) with the prefix always visible."""
-    mixer = tiny_model("mal").backbone.blocks[0].mixer
+@pytest.mark.parametrize("residual", [True, False])
+def test_mal_follows_the_paper(residual):
+    """Eqs. 29-31: x̃ = [p ‖ x], y = M(x̃), then sliding-window attention with the prefix always visible: over
+    norm(y) as eq. 31 writes it, or (mal_residual, the default) y + SW-Attn(norm(x̃ + y)), each layer residual."""
+    mixer = tiny_model("mal", mal_residual=residual).backbone.blocks[0].mixer
     x = torch.randn(2, 14, 16, dtype=DT, generator=torch.Generator().manual_seed(8))
     x_tilde = mixer.persistent.prepend(x)
     y, _ = mixer.memory(x_tilde)
-    expected = reference_window_attention(mixer.attention, mixer.norm(y), 2)[:, 2:]
+    if residual:
+        expected = (y + reference_window_attention(mixer.attention, mixer.norm(x_tilde + y), 2))[:, 2:]
+    else:
+        expected = reference_window_attention(mixer.attention, mixer.norm(y), 2)[:, 2:]
     assert (mixer(x)[0] - expected).abs().max() <= 1e-12
 
 

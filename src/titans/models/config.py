@@ -50,6 +50,9 @@ class TitansConfig(Config):
     memory_forgetting_channels: bool = False
     memory_gates: Literal["data", "constant"] = "data"  # constant: θ, η, α fixed at memory_init_* (not trained)
     memory_residual: bool = True  # M(k) = k + MLP(k); False with memory_depth 1 is the paper's linear memory k W
+    # MAL: the attention reads u + M(u) and the mixer returns M(u) + SW-Attn(norm(u + M(u))), a residual around each
+    # of its two layers (DESIGN.md §3); False: eq. 31 as written, the attention reads M(u) alone
+    mal_residual: bool = True
     # ρ: the hidden memory layers' inner step as a fraction of θ (1: the paper)
     memory_hidden_step: float = Field(1.0, ge=0, le=1)
     gate_pooling: Literal["token", "chunk"] = "token"
