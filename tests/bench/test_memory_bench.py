@@ -77,3 +77,19 @@ def test_bench_selects_the_implementation_and_refuses_unknown_ones(tmp_path):
     for bad in (["--implementation", "cuda"], ["--device", "tpu"]):
         result = CliRunner().invoke(app, args + bad)
         assert result.exit_code != 0 and bad[1] in result.output
+
+
+def test_bench_compares_implementations_in_one_run(tmp_path):
+    """Several implementations: each measured at every length, one table with each one's tokens/s and its fwd+bwd
+    ratio to the first; the reference is not run."""
+    out = tmp_path / "bench.json"
+    result = CliRunner().invoke(app, ["bench", "memory", "--lengths", "16", "--dim", "8", "--expansion", "2",
+                                      "--chunk-size", "4", "--batch", "1", "--warmup", "0", "--repeats", "1",
+                                      "--implementation", "fused,autograd", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    points = json.loads(out.read_text())
+    assert [(p["impl"], p["status"]) for p in points] == [("titans:fused", "ok"), ("titans:autograd", "ok")]
+    header, _, row = result.output.splitlines()[-4:-1]  # the table, before "wrote ..."
+    assert header.startswith("| seq | fused fwd tok/s |") and header.endswith("| fwd+bwd, autograd / fused |")
+    ratio = points[1]["fwd_bwd_tok_s"] / points[0]["fwd_bwd_tok_s"]
+    assert row.startswith("| 16 |") and row.endswith(f"| {ratio:.2f} |")

@@ -70,22 +70,34 @@ def memory(
                     "the peak is live memory, not allocator retention (slower: every large allocation page-faults)."),
     device: str = typer.Option("cpu", help="Where to run: cpu, or cuda (peak memory is then the GPU's allocated)."),
     implementation: Optional[str] = typer.Option(
-        None, help="Our memory's chunk loop: fused, triton or autograd (parallel_memory's implementation); default: "
-                   "its own choice, triton on CUDA where installed, else fused."),
+        None, help="Our memory's chunk loop: fused, triton, autograd or compile (parallel_memory's implementation); "
+                   "default: its own choice, triton on CUDA where installed, else fused. Several, comma-separated: "
+                   "each is measured at every length (alternating, like --rounds) and compared with the first; the "
+                   "reference is then not run."),
     out: Optional[Path] = typer.Option(None, help="Write the points as JSON here."),
 ) -> None:
     """NeuralMemory tokens/s (forward, forward+backward) and peak memory, against the reference."""
     from ..memory.parallel import IMPLEMENTATIONS
-    from .memory import best_of, format_rule_cost, format_table, reference_available, run_point
+    from .memory import (
+        best_of,
+        format_implementations,
+        format_rule_cost,
+        format_table,
+        reference_available,
+        run_point,
+    )
 
     seq_lens = _int_list(lengths, "lengths")
     if device not in ("cpu", "cuda"):
         raise typer.BadParameter(f"device must be cpu or cuda, got {device!r}")
-    if implementation is not None and implementation not in IMPLEMENTATIONS:
-        raise typer.BadParameter(f"implementation must be one of {', '.join(IMPLEMENTATIONS)}, got {implementation!r}")
+    chosen = _choices(implementation, "implementation", IMPLEMENTATIONS) if implementation is not None else [None]
     spec = dict(batch=batch, dim=dim, heads=heads, depth=depth, expansion=expansion, chunk_size=chunk_size,
-                repeats=repeats, warmup=warmup, device=device, implementation=implementation)
-    impls = ["titans"] + (["titans-paper"] if paper_rule else [])
+                repeats=repeats, warmup=warmup, device=device, implementation=chosen[0])
+    # ours under each chosen implementation: "titans", or "titans:<implementation>" when several are compared
+    ours = {f"titans:{name}": name for name in chosen} if len(chosen) > 1 else {"titans": chosen[0]}
+    impls = list(ours) + (["titans-paper"] if paper_rule else [])
+    if len(chosen) > 1:
+        reference = False
     if reference and reference_available():
         impls.append("reference")
     elif reference:
@@ -96,7 +108,8 @@ def memory(
         runs: dict[str, list] = {impl: [] for impl in impls if impl != "reference" or seq in ref_lens}
         for _ in range(rounds):
             for impl, done in runs.items():
-                point = run_point({**spec, "impl": impl, "seq_len": seq}, memory_cap_gib, timeout_s, release_memory)
+                point = run_point({**spec, "impl": impl, "implementation": ours.get(impl, chosen[0]), "seq_len": seq},
+                                  memory_cap_gib, timeout_s, release_memory)
                 typer.echo(f"{impl:>12} seq {seq:>6}: {point.status}, fwd {point.fwd_tok_s or 0:.0f} tok/s, "
                            f"fwd+bwd {point.fwd_bwd_tok_s or 0:.0f} tok/s, peak {point.peak_mib or 0:.0f} MiB",
                            err=True)
@@ -108,7 +121,7 @@ def memory(
                f"{__import__('torch').get_num_threads()} threads; allocator: "
                + ("MALLOC_MMAP_THRESHOLD_=131072" if release_memory else "glibc default"))
     typer.echo(f"machine: {describe_machine()}")
-    typer.echo(format_table(points))
+    typer.echo(format_implementations(points, list(ours)) if len(chosen) > 1 else format_table(points))
     if paper_rule:
         typer.echo(format_rule_cost(points))
     if out is not None:

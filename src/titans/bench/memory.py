@@ -39,7 +39,9 @@ def _rss_mib() -> float:
 def _build(impl: str, dim: int, heads: int, depth: int, expansion: int, chunk_size: int,
            implementation: Optional[str] = None) -> torch.nn.Module:
     """The layer to measure; `implementation` picks ours's chunk loop (`parallel_memory`'s; None: its own choice)."""
-    if impl in ("titans", "titans-paper"):  # the default rule, or the paper's unbounded one (bench stability's RULES)
+    # ours: "titans" or "titans:<implementation>" with the default rule, "titans-paper" with the paper's unbounded one
+    # (bench stability's RULES)
+    if impl != "reference":
         from titans.bench.stability import RULES
         from titans.memory import NeuralMemory
 
@@ -195,6 +197,27 @@ def format_table(points: list[BenchPoint]) -> str:
             f"{cell(ref, 'fwd_bwd_tok_s', '.0f')} | "
             f"{cell(ref, 'peak_mib', '.0f')} | {ratio} |"
         )
+    return "\n".join(lines)
+
+
+def format_implementations(points: list[BenchPoint], impls: list[str]) -> str:
+    """Markdown: ours under several implementations at each length, and each one's fwd+bwd tokens/s as a multiple
+    of the first's."""
+    by_len: dict[int, dict[str, BenchPoint]] = {}
+    for p in points:
+        by_len.setdefault(p.seq_len, {})[p.impl] = p
+    names = [impl.partition(":")[2] or impl for impl in impls]
+    lines = ["| seq | " + " | ".join(f"{n} fwd tok/s | {n} fwd+bwd tok/s" for n in names) + " | "
+             + " | ".join(f"fwd+bwd, {n} / {names[0]}" for n in names[1:]) + " |",
+             "|---:|" + "---:|" * (3 * len(names) - 1)]
+    for seq in sorted(by_len):
+        row = [by_len[seq].get(impl) for impl in impls]
+        cells = [f"{p.fwd_tok_s:.0f} | {p.fwd_bwd_tok_s:.0f}" if p and p.status == "ok" else
+                 f"{p.status if p else '-'} | -" for p in row]
+        first = row[0]
+        ratios = [f"{p.fwd_bwd_tok_s / first.fwd_bwd_tok_s:.2f}"
+                  if p and first and p.status == first.status == "ok" else "-" for p in row[1:]]
+        lines.append(f"| {seq} | " + " | ".join(cells + ratios) + " |")
     return "\n".join(lines)
 
 

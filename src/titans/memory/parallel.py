@@ -14,7 +14,8 @@ the gradients are taken (at W⁰, as the paper's mini-batch gradient descent pre
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple, Optional
+import sys
+from typing import Callable, NamedTuple, Optional, Union
 
 import torch
 from torch import Tensor
@@ -44,6 +45,10 @@ class Rule(NamedTuple):
     hidden_step: float = 1.0
 
 
+# `_chunk_step`'s signature: (state, q, k, v, θ, decays, activation, residual, rule) -> (y, state after the chunk)
+ChunkStep = Callable[..., tuple[Tensor, Weights]]
+
+
 def _flat3(t: Tensor) -> Tensor:
     return t.reshape(-1, *t.shape[-2:])
 
@@ -53,26 +58,28 @@ def _chunk_step(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    theta: Theta,
+    theta: Union[Tensor, Callable[[Tensor], Tensor]],
     decays: tuple[Decays, ...],
-    start: int,
     activation: str,
     residual: bool,
     rule: Rule,
 ) -> tuple[Tensor, Weights]:
-    """One chunk: outputs y_t = M(q_t; W_t) for every token, and the state after the chunk.
+    """One chunk: outputs y_t = M(q_t; W_t) for every token, and the state after the chunk (bounded by
+    `rule.max_state_norm`). What `implementation="compile"` compiles: tensors in, tensors out, every other argument
+    a constant of the call.
 
     The state of layer i is stacked as WS_i = [W_i; S_i] (`[b, h, 2 d_in, d_out]`) so that the two
     terms β_t h W⁰ + c_t h S⁰ are one matmul of [β h, c h] against WS, and the whole state update is
-    one matmul plus one batched 2×2 mix. `decays` holds one `Decays` per layer: the same one for every layer
-    under the paper's scalar α, or each layer's own with α per output column (`channel_decays`), whose retrieval
+    one matmul plus one batched 2×2 mix. `theta` is the chunk's θ `[b, h, n]`, or a function of the chunk's surprise
+    ℓ_t at W⁰ `[b, h, n]` that returns it (the surprise-gated θ). `decays` holds one `Decays` shared by every layer
+    under the paper's scalar α, or one per layer with α per output column (`channel_decays`), whose retrieval
     and update scale each column by its own decay instead.
     """
     sigma = ACTIVATIONS[activation][0]
     W0 = tuple(ws[..., : ws.shape[-2] // 2, :] for ws in WS)
     out, inputs, preacts = forward_cached(k, W0, activation, residual)
     if not isinstance(theta, Tensor):  # surprise-gated θ: the reconstruction error at W⁰
-        theta = theta(((out - v) ** 2).sum(-1), start, start + k.shape[2])
+        theta = theta(((out - v) ** 2).sum(-1))
     deltas = backward_deltas(out, v, W0, preacts, activation)
     if rule.max_grad_norm is not None:
         theta = theta * grad_norm_scale(token_grad_sq_norm(inputs, deltas), rule.max_grad_norm)
@@ -90,9 +97,9 @@ def _chunk_step(
     depth = len(WS)
     WS_new = []
     for i in range(depth):
-        dec, a = decays[i], inputs[i]
+        dec, a = decays[i if len(decays) > 1 else 0], inputs[i]
         channels = dec.B.dim() > E_theta.dim()  # α per output column: β, c [.., d, n], B [.., d, n, n]
-        if i == 0 or dec is not decays[i - 1]:  # the scalar α's layers share one C
+        if i == 0 or len(decays) > 1:  # the scalar α's layers share one C
             C = dec.B @ (E_theta.unsqueeze(-3) if channels else E_theta)  # C[t,s] = Σ_r B[t,r] E[r,s] θ_s
             if norm is not None:
                 C = C * (norm.unsqueeze(-3) if channels else norm)
@@ -122,7 +129,7 @@ def _chunk_step(
             WS_new.append(flat.view_as(ws))
         h = sigma(z) if i < depth - 1 else z
     y = q + h if residual else h
-    return y, tuple(WS_new)
+    return y, _bound_state(tuple(WS_new), rule.max_state_norm)
 
 
 def _bound_state(WS: Weights, max_state_norm: Optional[float]) -> Weights:
@@ -138,6 +145,7 @@ def _bound_state(WS: Weights, max_state_norm: Optional[float]) -> Weights:
 
 
 def _run_chunks(
+    step: ChunkStep,
     WS: Weights,
     q: Tensor,
     k: Tensor,
@@ -151,29 +159,35 @@ def _run_chunks(
     residual: bool,
     rule: Rule,
 ) -> tuple[Tensor, Weights]:
-    """Process q/k/v (a whole number of chunks, or one ragged chunk) chunk after chunk."""
+    """Process q/k/v (a whole number of chunks, or one ragged chunk) chunk after chunk, each through `step`
+    (`_chunk_step`, or its compiled form)."""
     seq = k.shape[2]
     n = min(chunk_size, seq)
     chunks = seq // n
-    # Decays for all chunks at once: gates [b, h, chunks, n] (α per channel: [b, h, chunks, n, d] per layer).
-    eta_chunks = eta.unflatten(-1, (chunks, n))
+
+    def by_chunk(x: Tensor) -> Tensor:
+        """[b, h, seq, ...] → [chunks, b, h, n, ...]: chunk j is one contiguous block whose strides do not depend on
+        the sequence length (a compiled step's guards see the same tensors for every length)."""
+        return x.unflatten(2, (chunks, n)).movedim(2, 0).contiguous()
+
+    # Decays for all chunks at once: gates [chunks, b, h, n] (α per channel: [chunks, b, h, n, d] per layer).
+    eta_chunks = by_chunk(eta)
     if isinstance(alpha, Tensor):
-        layer_decays = (chunk_decays(eta_chunks, alpha.unflatten(-1, (chunks, n))),)  # one, shared by every layer
+        layer_decays = (chunk_decays(eta_chunks, by_chunk(alpha)),)  # one, shared by every layer
     else:
         E, e = momentum_decays(eta_chunks)
-        layer_decays = tuple(channel_decays(E, e, a.unflatten(2, (chunks, n))) for a in alpha)
-    theta_chunks = theta.unflatten(-1, (chunks, n)) if isinstance(theta, Tensor) else theta
+        layer_decays = tuple(channel_decays(E, e, by_chunk(a)) for a in alpha)
+    q_chunks, k_chunks, v_chunks = by_chunk(q), by_chunk(k), by_chunk(v)
+    theta_chunks = by_chunk(theta) if isinstance(theta, Tensor) else None
     outputs = []
     for j in range(chunks):
-        sl = slice(j * n, (j + 1) * n)
-        step_decays = tuple(Decays(*(x[:, :, j] for x in decays)) for decays in layer_decays)
-        step_decays = step_decays * (len(WS) // len(step_decays))
-        step_theta = theta_chunks[:, :, j] if isinstance(theta, Tensor) else theta
-        y, WS = _chunk_step(
-            WS, q[:, :, sl], k[:, :, sl], v[:, :, sl], step_theta, step_decays, offset + j * n, activation, residual,
-            rule,
-        )
-        WS = _bound_state(WS, rule.max_state_norm)
+        step_decays = tuple(Decays(*(x[j] for x in decays)) for decays in layer_decays)
+        if theta_chunks is not None:
+            step_theta = theta_chunks[j]
+        else:  # the surprise-gated θ sees the chunk's place in the sequence
+            start = offset + j * n
+            step_theta = lambda surprise, start=start: theta(surprise, start, start + n)  # noqa: E731
+        y, WS = step(WS, q_chunks[j], k_chunks[j], v_chunks[j], step_theta, step_decays, activation, residual, rule)
         outputs.append(y)
     return torch.cat(outputs, dim=2), WS
 
@@ -198,7 +212,13 @@ def _scan_memory(scan: type[torch.autograd.Function], q, k, v, theta, eta, alpha
     return y.view(batch, heads, *y.shape[1:]), tuple(final[0::2]), tuple(final[1::2])
 
 
-IMPLEMENTATIONS = ("fused", "autograd", "triton")
+IMPLEMENTATIONS = ("fused", "autograd", "triton", "compile")
+
+# Graphs of the compiled chunk step one process may hold: one per (activation, residual, rule, shapes, dtype, device,
+# grad mode) it has seen. Dynamo counts them per code object, all of them against one limit (8 by default), and with
+# fullgraph=True reaching it is an error, not a fallback: a model whose layers differ, trained and evaluated at a few
+# batch sizes, would reach 8.
+COMPILED_GRAPHS = 64
 
 
 @functools.lru_cache(maxsize=None)
@@ -211,18 +231,58 @@ def _triton_scan():
     return triton_scan
 
 
+@functools.lru_cache(maxsize=None)
+def compile_unavailable(device_type: str) -> Optional[str]:
+    """Why `torch.compile` (dynamo and inductor) cannot compile the chunk step for tensors on `device_type`, or None
+    where it can: inductor writes C++ for CPU tensors (a compiler on PATH, $CXX or g++) and Triton for CUDA ones."""
+    if not torch._dynamo.is_dynamo_supported():
+        return f"torch.compile is not supported on this Python/platform ({sys.version.split()[0]}, {sys.platform})"
+    if device_type == "cpu":
+        from torch._inductor.cpp_builder import get_cpp_compiler
+
+        try:
+            get_cpp_compiler()
+        except Exception:  # InvalidCxxCompiler; its message is a paragraph on installing one
+            return "inductor finds no C++ compiler for CPU code (set $CXX, or install g++)"
+        return None
+    if device_type == "cuda":
+        from torch.utils._triton import has_triton
+
+        return None if has_triton() else "inductor needs triton for CUDA tensors (pip install 'titans[gpu]')"
+    return f"inductor does not compile for {device_type} tensors here"
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_chunk_step() -> ChunkStep:
+    """`_chunk_step` through `torch.compile`: one graph, no breaks (fullgraph), static shapes. Dynamo's guards key its
+    cache on everything the graph depends on (the constants activation, residual and rule, every tensor's shape,
+    stride, dtype and device, the grad mode), so this one callable serves every configuration, each with its own
+    graph; only the limit on how many is raised (COMPILED_GRAPHS), for the duration of the call."""
+    compiled = torch.compile(_chunk_step, fullgraph=True, dynamic=False)
+
+    @functools.wraps(_chunk_step)
+    def step(*args):
+        with torch._dynamo.config.patch(recompile_limit=COMPILED_GRAPHS):
+            return compiled(*args)
+
+    return step
+
+
 def serving_implementation(implementation: Optional[str], q: Tensor, theta: Theta, alpha: Alpha,
                            weights: Weights) -> str:
     """Which implementation runs a `parallel_memory` call: the one place that decides.
 
     None picks "triton" where the kernels serve the call (CUDA tensors, triton installed, memory depth 1 or 2, state
-    matrices small enough to stay on chip: `triton_scan.unsupported`), else "fused". A callable θ (evaluated per
-    chunk on the chunk's surprise), a channel-wise α and an empty sequence always take "autograd". "triton" asked
-    for where the kernels cannot serve the call is an error naming why, not a silent fallback."""
+    matrices small enough to stay on chip: `triton_scan.unsupported`), else "fused"; "compile" runs only when asked
+    for. A callable θ (evaluated per chunk on the chunk's surprise), a channel-wise α and an empty sequence always
+    take "autograd". "triton" or "compile" asked for where it cannot serve the call is an error naming why, not a
+    silent fallback."""
     if implementation is not None and implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None, got {implementation!r}")
     if not isinstance(theta, Tensor) or not isinstance(alpha, Tensor) or q.shape[2] == 0:
         return "autograd"
+    if implementation == "compile" and (reason := compile_unavailable(q.device.type)) is not None:
+        raise ValueError(f"implementation='compile' cannot serve this call: {reason}")
     if implementation == "triton":
         scan = _triton_scan()
         reason = "triton is not installed (pip install 'titans[gpu]')" if scan is None else scan.unsupported(q, weights)
@@ -290,9 +350,12 @@ def parallel_memory(
             pass so memory holds one state per group instead of per chunk. None: no recomputation.
         implementation: "fused" (`fused.py`: hand-written backward, reused buffers; the C++ chunk loop on CPUs),
             "triton" (`triton_scan.py`: the chunk loop inside Triton kernels, one program per batch·head, state on
-            chip; memory depth 1 or 2; bf16 q/k/v read as such), or "autograd" (this module's chunk loop under
-            autograd: slower, but twice differentiable). None (default): "triton" on CUDA where it serves the
-            call, else "fused" (`serving_implementation`, the one place that decides). A callable θ and a
+            chip; memory depth 1 or 2; bf16 q/k/v read as such), "autograd" (this module's chunk loop under
+            autograd: slower, but twice differentiable), or "compile" (the same loop with its chunk step through
+            `torch.compile`, inductor's C++ on CPUs and Triton on CUDA: for where the Triton kernels are not wanted;
+            compiles a graph per configuration and shape on first use, a ragged last chunk runs uncompiled; once
+            differentiable). None (default): "triton" on CUDA where it serves the call, else "fused"
+            (`serving_implementation`, the one place that decides; "compile" only when asked for). A callable θ and a
             channel-wise α always take the autograd path.
 
     A sequence whose length is not a multiple of `chunk_size` ends with a ragged chunk. The state is
@@ -334,8 +397,11 @@ def parallel_memory(
     def run(start: int, end: int, WS: Weights) -> tuple[Tensor, Weights]:
         sl = slice(start, end)
         th = theta[:, :, sl] if isinstance(theta, Tensor) else theta
-        return _run_chunks(WS, q[:, :, sl], k[:, :, sl], v[:, :, sl], th, eta[:, :, sl], _alpha_slice(alpha, sl), start,
-                           chunk_size, activation, residual, rule)
+        # The ragged last chunk runs uncompiled: its length is the sequence length modulo chunk_size, so compiling it
+        # would build a graph for every remainder a caller's lengths produce (static shapes), for one chunk per call.
+        step = _compiled_chunk_step() if implementation == "compile" and end - start >= chunk_size else _chunk_step
+        return _run_chunks(step, WS, q[:, :, sl], k[:, :, sl], v[:, :, sl], th, eta[:, :, sl], _alpha_slice(alpha, sl),
+                           start, chunk_size, activation, residual, rule)
 
     outputs = []
     for start, end in pieces:
