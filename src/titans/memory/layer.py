@@ -103,9 +103,10 @@ class NeuralMemory(nn.Module):
         checkpoint_chunks: chunks per recomputation group in training. None (default) chooses: every
             chunk's state is kept up to 64 chunks, beyond that groups of ⌈√chunks⌉ chunks are recomputed in the
             backward pass, so training holds O(√T) states instead of one per chunk; 0 disables it.
-        implementation: which `parallel_memory` implementation runs the chunk loop ("fused", "triton", "autograd");
-            None (default): `parallel.serving_implementation` decides ("triton" on CUDA where it serves the call,
-            else "fused"). Numbers only, not the model: every implementation computes the same rule.
+        implementation: which `parallel_memory` implementation runs the chunk loop ("fused", "triton", "autograd",
+            "compile"); None (default): `parallel.serving_implementation` decides ("triton" on CUDA where it serves
+            the call, else "fused"; "compile" only when asked for). Numbers only, not the model: every
+            implementation computes the same rule.
     """
 
     def __init__(
