@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from titans.cli import app
 from titans.experiments import expand, experiment_names, load_experiment, run_experiment, write_report
 from titans.experiments.measure import memory_reader
-from titans.experiments.report import README_END, README_START, load_results
+from titans.experiments.report import README_END, README_START, fmt, load_results, plot_models
 from titans.experiments.runner import _train_or_error, finished, resumable, train_one, train_results
 from titans.tasks import measure_capacity
 from titans.train import build_model, build_task, train
@@ -255,6 +255,28 @@ def test_runs_the_time_budget_stopped_short_are_named(quick_results, tmp_path):
     text = write_report(copied, tmp_path / "RESULTS.md").read_text()
     steps = f"({run['steps']} of {run['config']['steps']})"
     assert f"Stopped by the time budget before their steps: {run_id} {steps}" in text
+
+
+def test_report_prints_accuracies_to_two_decimals_and_losses_to_three_digits():
+    assert (fmt(0.8125, "accuracy"), fmt(0.5, "token_accuracy")) == ("0.81", "0.50")
+    assert (fmt(0.034282, "loss"), fmt(0.029310, "loss")) == ("0.0343", "0.0293")  # not both "0.03"
+    assert fmt(1.8712, "bits_per_byte") == "1.87"
+    assert (fmt(12345.6, "tokens_per_s"), fmt(None, "loss")) == ("12,346", "failed")
+
+
+def test_plot_of_models_takes_a_mean_an_ulp_outside_its_seeds_range():
+    """Equal values average to a mean that floating point may put just above their maximum (wind's persistence row,
+    one value per run, 30 runs): the bar is empty, not an error."""
+    import matplotlib.pyplot as plt
+
+    value = 0.019677634710130936
+    mean = sum([value] * 30) / 30
+    assert mean > value  # the case itself
+    data = {"experiment": "x", "metric": "loss", "results": {"persistence": {"s": mean}},
+            "spread": {"persistence": {"s": [value, value]}}}
+    fig, ax = plt.subplots()
+    plot_models(ax, data, {"settings": ["s"], "x": [1]}, "panel")
+    plt.close(fig)
 
 
 def test_report_refuses_bad_input_and_changes_nothing(tmp_path):
