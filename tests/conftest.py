@@ -9,6 +9,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under pytest-xdist (`-n auto`, pyproject's addopts) every worker is a process of its own: its torch threads share the
+# cores with the other workers', so each takes its share instead of all of them (n workers x n threads would spin).
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 
 def pytest_collection_modifyitems(config, items):
     """Tests marked `cuda` run where a GPU is; elsewhere they are skipped, saying why."""

@@ -11,7 +11,9 @@ from titans.cli import app
 def test_bench_recall_end_to_end_and_resumes(tmp_path):
     out, runs = tmp_path / "recall.json", tmp_path / "runs"
     args = ["bench", "recall", "--variants", "lmm,swa", "--tasks", "passkey,kv_recall", "--steps", "2",
-            "--train-length", "16", "--workers", "1", "--run-dir", str(runs), "--out", str(out)]
+            "--train-length", "16", "--workers", "1", "--run-dir", str(runs), "--out", str(out),
+            # small models and batches: the command is under test here, not what the defaults learn
+            "--set", "model.dim=16", "--set", "batch_size=4", "--set", "eval_batches=1", "--set", "eval_batch_size=4"]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     data = json.loads(out.read_text())
