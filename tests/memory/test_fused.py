@@ -43,6 +43,22 @@ def test_fused_matches_autograd_values_and_gradients(depth, activation, residual
         assert (unbounded - fused[0][0]).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("max_state_norm, group", [(0.7, None), (0.7, 2), (50.0, None)])
+def test_bound_without_host_reads_changes_nothing(monkeypatch, max_state_norm, group):
+    """On an accelerator the bounded state is measured and scaled every chunk instead of where a host read says it
+    must be (no sync per chunk): the same values and gradients, to the bit, whether the bound acts (0.7) or never
+    reaches the state (50), recomputation groups replaying the factors included. The Python chunk loop: the C++ one
+    serves CPUs only, where the reads stay."""
+    monkeypatch.setattr(fused, "NATIVE", False)
+    args = make_inputs(seq=23, depth=2, requires_grad=True)
+    kwargs = dict(chunk_size=4, max_grad_norm=0.5, max_state_norm=max_state_norm, checkpoint_chunks=group)
+    reading = outputs_and_grads(args, "fused", **kwargs)
+    monkeypatch.setattr(fused, "_without_host_reads", lambda t: True)
+    always = outputs_and_grads(args, "fused", **kwargs)
+    for a, b in zip([*reading[0], *reading[1]], [*always[0], *always[1]]):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("used", ["y", "states", "W_1"])
 def test_outputs_the_loss_leaves_out_get_no_gradient(used):
     """The backward pass receives None, not zeros, for an output the loss does not use (usually the final state;

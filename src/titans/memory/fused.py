@@ -445,6 +445,13 @@ def _next_norm_bound(cache: ChunkCache, dec: ChunkDecays, bound: Tensor) -> Tens
     return torch.stack([new_w, new_s], dim=2).flatten(1)  # back to [W_1, S_1, W_2, S_2, …]
 
 
+def _without_host_reads(t: Tensor) -> bool:
+    """Whether the bound skips its data-dependent branches for `t`: on an accelerator every read of a device value on
+    the host waits for the whole queue (a sync per chunk), so there the state is measured and scaled every chunk, a
+    pass over it that changes no value (a factor of 1 is exact); on a CPU the reads are free and spare that pass."""
+    return t.device.type != "cpu"
+
+
 def _bound_state(cfg: ScanConfig, state: State, scales: Tensor, bound: Tensor) -> Tensor:
     """The bounded state: every matrix of a chunk's end state back on its ball ‖·‖_F ≤ max_state_norm · √d_out, in
     place; the factors min(1, R / ‖·‖) go to `scales` `[BH, len(state)]`, for the backward pass. `bound` (from
@@ -452,11 +459,12 @@ def _bound_state(cfg: ScanConfig, state: State, scales: Tensor, bound: Tensor) -
     reaches its ball (almost never), so the rule costs no pass over the state. Returns the bound after the chunk."""
     for i, t in enumerate(state):
         limit = cfg.max_state_norm * t.shape[-1] ** 0.5
-        if bool((bound[:, i] > limit * (1 - 1e-3)).any()):  # may be outside: measure, and bring back
+        always = _without_host_reads(t)
+        if always or bool((bound[:, i] > limit * (1 - 1e-3)).any()):  # may be outside: measure, and bring back
             factor = state_norm_scale(t, cfg.max_state_norm)
             scales[:, i] = factor.view(-1)
             bound[:, i] = torch.linalg.vector_norm(t, dim=(-2, -1)).clamp_max(limit)
-            if bool((factor < 1).any()):
+            if always or bool((factor < 1).any()):
                 t.mul_(factor)
     return bound
 
@@ -464,7 +472,7 @@ def _bound_state(cfg: ScanConfig, state: State, scales: Tensor, bound: Tensor) -
 def _scale_rows(state: State, scales: Tensor) -> None:
     """Each matrix times its recorded factor, in place: the backward pass of `_bound_state` (its factors are constants
     to the outer gradient), and its replay when a group of chunks is recomputed."""
-    if (scales < 1).any():
+    if _without_host_reads(scales) or bool((scales < 1).any()):
         for i, t in enumerate(state):
             t.mul_(scales[:, i].view(-1, 1, 1))
 
