@@ -127,7 +127,7 @@ def eval_command(
 ) -> None:
     """Evaluate a checkpoint at several lengths: prints a table, writes a JSON (its path is the last line)."""
     from .tasks import get_task
-    from .train import evaluate
+    from .train import EvalPlan, evaluate
     from .train.checkpoint import load_trainer_state
     from .train.config import check_model_fits_task
 
@@ -148,7 +148,7 @@ def eval_command(
                          f"was trained on {trained_task.num_features}")
     batches, batch_size = batches or cfg.eval_batches, batch_size or cfg.eval_batch_size
     results = evaluate(model, eval_task, parse_lengths(lengths) if lengths else cfg.task.eval_lengths,
-                       batches, batch_size, seed, device=model_device(model), precision=cfg.dtype)
+                       EvalPlan(batches, batch_size, seed, device=model_device(model), precision=cfg.dtype))
     try:  # a checkpoint copied without its trainer state still evaluates; it cannot say how training went
         skipped = load_trainer_state(path)["skipped_steps"]
     except ValueError:

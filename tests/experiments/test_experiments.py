@@ -396,7 +396,7 @@ def test_bad_experiment_files_name_the_problem(tmp_path, name):
 
 
 def test_streamed_evaluation_matches_whole_sequences():
-    from titans.train.loop import evaluate
+    from titans.train.loop import EvalPlan, evaluate
 
     exp = load_experiment("long", quick=True, folder=FOLDER)
     for run in expand(exp):
@@ -404,8 +404,8 @@ def test_streamed_evaluation_matches_whole_sequences():
         task = build_task(cfg)
         torch.manual_seed(0)
         model = build_model(cfg, task).double()
-        whole = evaluate(model, task, [64], 1, 2)
-        pieces = evaluate(model, task, [64], 1, 2, piece=7)
+        whole = evaluate(model, task, [64], EvalPlan(1, 2))
+        pieces = evaluate(model, task, [64], EvalPlan(1, 2, piece=7))
         assert pieces[64]["loss"] == pytest.approx(whole[64]["loss"], rel=1e-9)
 
 

@@ -8,7 +8,18 @@ import pytest
 import torch
 
 from titans.tasks import get_task
-from titans.train import OptimConfig, Trainer, build_model, build_task, evaluate, load_train_config, loop, lr_at, train
+from titans.train import (
+    EvalPlan,
+    OptimConfig,
+    Trainer,
+    build_model,
+    build_task,
+    evaluate,
+    load_train_config,
+    loop,
+    lr_at,
+    train,
+)
 from titans.train.checkpoint import latest_checkpoint, list_checkpoints
 from titans.train.loop import derive_seed, make_optimizer, sample_rows
 
@@ -80,12 +91,12 @@ def test_accumulation_matches_one_big_batch(tiny_config, tmp_path):
 def test_training_is_deterministic_and_learns(tiny_config, tmp_path):
     cfg = load_train_config(tiny_config, ["steps=60", "checkpoint_every=0", "log_every=20"])
     untrained = Trainer(cfg, tmp_path / "untrained")
-    before = evaluate(untrained.model, untrained.task, [24], 4, 8)[24]["loss"]
+    before = evaluate(untrained.model, untrained.task, [24], EvalPlan(4, 8))[24]["loss"]
     result = train(cfg, tmp_path / "a", quiet=True)
     train(cfg, tmp_path / "b", quiet=True)
     a, b = final_weights(tmp_path / "a"), final_weights(tmp_path / "b")
     assert all(torch.equal(a[k], b[k]) for k in a)
-    after = evaluate(build_and_load(cfg, tmp_path / "a"), untrained.task, [24], 4, 8)[24]["loss"]
+    after = evaluate(build_and_load(cfg, tmp_path / "a"), untrained.task, [24], EvalPlan(4, 8))[24]["loss"]
     # chance over all 24 tokens is ln 24 = 3.18; a model that learned to answer with one of the 8 value tokens
     # is at ln 8 = 2.08 or below
     assert before > 3.0 and after < 2.3, (before, after)
@@ -111,12 +122,12 @@ def test_evaluation_set_is_fixed_whatever_the_batch_size(tiny_config):
     cfg = load_train_config(tiny_config)
     model = build_model(cfg, build_task(cfg)).double()
     task = build_task(cfg)
-    by_two = evaluate(model, task, [24, 48], batches=3, batch_size=2)
-    by_six = evaluate(model, task, [24, 48], batches=1, batch_size=6)
+    by_two = evaluate(model, task, [24, 48], EvalPlan(batches=3, batch_size=2))
+    by_six = evaluate(model, task, [24, 48], EvalPlan(batches=1, batch_size=6))
     for length in (24, 48):
         assert by_two[length] == pytest.approx(by_six[length], rel=1e-12)
         assert 0.0 <= by_two[length]["accuracy"] <= 1.0
-    assert by_two[24] != evaluate(model, task, [24], batches=3, batch_size=2, seed=1)[24]
+    assert by_two[24] != evaluate(model, task, [24], EvalPlan(batches=3, batch_size=2, seed=1))[24]
 
 
 def test_loss_by_position_is_the_mean_of_each_span_of_positions(tiny_config):
@@ -127,7 +138,7 @@ def test_loss_by_position_is_the_mean_of_each_span_of_positions(tiny_config):
     task = get_task("lm_bytes", split="val")
     torch.manual_seed(0)
     model = build_model(cfg, task).double()
-    metrics = evaluate(model, task, [30], batches=2, batch_size=3, position_buckets=4)[30]
+    metrics = evaluate(model, task, [30], EvalPlan(batches=2, batch_size=3, position_buckets=4))[30]
     batch = sample_rows(task, range(6), 30, loop.EVAL_STREAM, 0, 30)
     losses = torch.stack([torch.nn.functional.cross_entropy(model(row[None])[0][0], target, reduction="none")
                           for row, target in zip(batch.inputs, batch.targets)]).mean(0)
@@ -137,8 +148,8 @@ def test_loss_by_position_is_the_mean_of_each_span_of_positions(tiny_config):
     assert metrics["bits_per_byte_by_position"] == pytest.approx([v / math.log(2) for v in expected], rel=1e-12)
     assert sum(v * n for v, n in zip(expected, (7, 8, 7, 8))) / 30 == pytest.approx(metrics["loss"], rel=1e-12)
     plain = load_train_config(tiny_config)
-    passkey = evaluate(build_model(plain, build_task(plain)).double(), build_task(plain), [24], 1, 4,
-                       position_buckets=3)[24]
+    passkey = evaluate(build_model(plain, build_task(plain)).double(), build_task(plain), [24],
+                       EvalPlan(1, 4, position_buckets=3))[24]
     assert passkey["loss_by_position"][:2] == [None, None] and passkey["loss_by_position"][2] > 0
     assert "bits_per_byte_by_position" not in passkey
 
@@ -147,7 +158,7 @@ def test_position_buckets_are_refused_where_they_cannot_be_kept(tiny_config):
     with pytest.raises(ValueError, match=r"eval_position_buckets \(30\) must be at most the shortest"):
         load_train_config(tiny_config, ["eval_position_buckets=30"])
     with pytest.raises(ValueError, match="position_buckets is for token tasks; forecast_sine"):
-        evaluate(None, get_task("forecast_sine"), [24], 1, 1, position_buckets=2)
+        evaluate(None, get_task("forecast_sine"), [24], EvalPlan(1, 1, position_buckets=2))
     with pytest.raises(ValueError, match="between 1 and the length"):
         loop.position_ends(4, 5)
 
@@ -184,13 +195,14 @@ def test_persistence_loss_is_the_last_value_as_the_forecast_on_the_evaluated_seq
     """A model that repeats its input scores exactly the persistence loss, and that loss is the mean squared
     step of the evaluation sequences (the same rows evaluate draws: seeds (stream, seed, length, row))."""
     task = get_task("forecast_sine", num_features=2)
-    result = evaluate(Repeat(), task, [30], batches=2, batch_size=3)[30]
+    result = evaluate(Repeat(), task, [30], EvalPlan(batches=2, batch_size=3))[30]
     batch = sample_rows(task, range(6), 30, loop.EVAL_STREAM, 0, 30)
     steps = (batch.targets.double() - batch.inputs.double()) ** 2
     assert result["persistence_loss"] == pytest.approx(steps.mean().item(), rel=1e-12)
     assert result["loss"] == pytest.approx(result["persistence_loss"], rel=1e-6)  # the model's loss in float32
     copy = get_task("copy")
-    assert "persistence_loss" not in evaluate(Repeat(copy.vocab_size), copy, [30], 1, 2)[30]  # token tasks: none
+    token_task = evaluate(Repeat(copy.vocab_size), copy, [30], EvalPlan(1, 2))[30]
+    assert "persistence_loss" not in token_task  # token tasks: none
 
 
 def test_classification_tasks_train_a_classifier_scored_on_the_whole_test_split(tiny_config, tmp_path):
@@ -212,7 +224,7 @@ def test_classification_tasks_train_a_classifier_scored_on_the_whole_test_split(
         logits = trainer.model(whole.inputs)[0]
     assert result["accuracy"] == pytest.approx((logits.argmax(-1) == whole.targets).float().mean().item())
     assert result["loss"] == pytest.approx(torch.nn.functional.cross_entropy(logits, whole.targets).item(), rel=1e-5)
-    pieces = evaluate(trainer.model, trainer.eval_task, [12], 1, 6, piece=5)[12]
+    pieces = evaluate(trainer.model, trainer.eval_task, [12], EvalPlan(1, 6, piece=5))[12]
     assert pieces["accuracy"] == result["accuracy"] and pieces["loss"] == pytest.approx(result["loss"], rel=1e-4)
 
 
@@ -247,8 +259,8 @@ def test_data_tasks_evaluate_on_their_validation_split(tiny_config, tmp_path):
     trainer = Trainer(load_train_config(tiny_config, overrides), tmp_path / "run", quiet=True)
     assert trainer.task.options.split == "train" and trainer.eval_task.options.split == "val"
     reported = trainer.run().evaluation[24]["loss"]
-    on_val = evaluate(trainer.model, trainer.eval_task, [24], 1, 8)[24]["loss"]
-    on_train = evaluate(trainer.model, trainer.task, [24], 1, 8)[24]["loss"]
+    on_val = evaluate(trainer.model, trainer.eval_task, [24], EvalPlan(1, 8))[24]["loss"]
+    on_train = evaluate(trainer.model, trainer.task, [24], EvalPlan(1, 8))[24]["loss"]
     assert reported == pytest.approx(on_val) and on_val != pytest.approx(on_train)
     with pytest.raises(ValueError, match="length 120 is too long for the val split"):  # 100 validation rows
         Trainer(load_train_config(tiny_config, [*overrides, "task.eval_lengths=[24,120]"]), tmp_path / "r2", quiet=True)

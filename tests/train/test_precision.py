@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 import titans.memory.parallel as parallel
 from titans.cli import load_for_inference
-from titans.train import Trainer, evaluate, load_train_config, loop, train
+from titans.train import EvalPlan, Trainer, evaluate, load_train_config, loop, train
 from titans.train.checkpoint import latest_checkpoint
 from titans.train.precision import autocast, parameter_dtype
 
@@ -69,8 +69,8 @@ def test_bfloat16_trains_with_float32_weights_and_memory_state(tiny_config, tmp_
     assert {w.dtype for w in (*memory_state.weights, *memory_state.momentum)} == {torch.float32}
     # evaluation under the run's autocast: finite, and the float32 evaluation of the same weights within bf16's
     # rounding (8 bits of mantissa: a relative error of 4e-3 per product)
-    mixed = evaluate(trainer.model, trainer.eval_task, [24], 2, 8, precision="bfloat16")[24]
-    plain = evaluate(trainer.model, trainer.eval_task, [24], 2, 8)[24]
+    mixed = evaluate(trainer.model, trainer.eval_task, [24], EvalPlan(2, 8, precision="bfloat16"))[24]
+    plain = evaluate(trainer.model, trainer.eval_task, [24], EvalPlan(2, 8))[24]
     assert mixed["loss"] == pytest.approx(plain["loss"], rel=2e-2) and mixed["loss"] != plain["loss"]
 
 
@@ -88,7 +88,7 @@ def test_bfloat16_checkpoint_records_and_loads_its_dtype(tiny_config, tmp_path, 
     _, loaded_cfg, _, model = load_for_inference(tmp_path / "straight", "cpu")
     assert loaded_cfg.dtype == "bfloat16" and {p.dtype for p in model.parameters()} == {torch.float32}
     precisions = []
-    monkeypatch.setattr("titans.train.evaluate", lambda *a, **kw: precisions.append(kw["precision"]) or {24: {}})
+    monkeypatch.setattr("titans.train.evaluate", lambda *a: precisions.append(a[3].precision) or {24: {}})
     from typer.testing import CliRunner
 
     from titans.cli import app

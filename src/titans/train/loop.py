@@ -20,7 +20,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -244,66 +244,95 @@ class PositionLosses:
         return out
 
 
-@torch.no_grad()
-def evaluate(model: nn.Module, task: Task, lengths: list[int], batches: int, batch_size: int, seed: int = 0,
-             device: torch.device | str = "cpu", piece: int | None = None,
-             precision: str = "float32", position_buckets: int = 0) -> dict[int, dict[str, Any]]:
-    """Per length, on `batches` x `batch_size` sequences drawn from (seed, length, row): mean loss per
-    scored position, and for token tasks exact-match accuracy (rows with every scored token right)
-    and token accuracy, and bits per byte for the byte-level LM. A task that is a finite set (`Task.full_set`, a
-    labelled split) is read whole instead, each example once, `batch_size` at a time (`batches` and `seed` unused);
-    classification reports the accuracy over its series and their number (`examples`). Forecasting (series tasks)
-    also reports `persistence_loss`, the mean squared error on the same sequences of the forecast that the next step
-    equals the last one seen (`targets[t] = inputs[t]`): what a forecaster must beat to have learnt more than to
-    repeat. `piece`: read each sequence that many tokens at a time through the model's state (None: in one call).
-    `precision`: the `dtype` the model was trained in (`loss_terms`), bfloat16 evaluating under bf16 autocast as it
-    trained.
-    `position_buckets` (token tasks): also the mean loss over each of that many equal spans of positions
-    (`loss_by_position`, and `bits_per_byte_by_position` for the byte-level LM), each span ending at
+@dataclass(frozen=True)
+class EvalPlan:
+    """What an evaluation reads and how. Per length, `batches` x `batch_size` sequences drawn from (seed, length, row);
+    a task that is a finite set (`Task.full_set`, a labelled split) is read whole instead, each example once,
+    `batch_size` at a time (`batches` and `seed` unused). The model reads them on `device`, `piece` tokens at a time
+    through its state (None: in one call), under the autocast of `precision`, the `dtype` it trained in
+    (`loss_terms`). `position_buckets` (token tasks): also the mean loss over each of that many equal spans of
+    positions (`loss_by_position`, and `bits_per_byte_by_position` for the byte-level LM), each span ending at
     `position_ends`: the loss against position in the context."""
-    if position_buckets and task.vocab_size is None:
+
+    batches: int
+    batch_size: int
+    seed: int = 0
+    device: torch.device | str = "cpu"
+    piece: int | None = None
+    precision: str = "float32"
+    position_buckets: int = 0
+
+
+def evaluation_batches(task: Task, length: int, plan: EvalPlan) -> Iterator[Batch]:
+    """The batches `plan` reads at `length`: drawn, or the task's whole finite set in slices."""
+    whole = task.full_set(length)
+    if whole is None:
+        for b in range(plan.batches):
+            rows = range(b * plan.batch_size, (b + 1) * plan.batch_size)
+            yield sample_rows(task, rows, length, EVAL_STREAM, plan.seed, length)
+        return
+    for i in range(0, len(whole.targets), plan.batch_size):
+        yield type(whole)(*(t[i:i + plan.batch_size] for t in whole))
+
+
+class EvalTally:
+    """The sums an evaluation keeps at one length, batch by batch, and the metrics they give."""
+
+    def __init__(self, task: Task, length: int, position_buckets: int):
+        self.task = task
+        self.loss, self.count, self.matches, self.right, self.persistence = 0.0, 0, 0.0, 0.0, 0.0
+        self.by_position = PositionLosses(length, position_buckets) if position_buckets else None
+
+    def add(self, batch: Batch, batch_loss: Tensor, outputs: Tensor) -> None:
+        n = scored_positions(batch)
+        self.loss, self.count = self.loss + batch_loss.item(), self.count + n
+        if isinstance(batch, TokenBatch):
+            targets = batch.targets.to(outputs.device)
+            self.matches += exact_match(outputs, targets).sum().item()
+            self.right += token_accuracy(outputs, targets).item() * n
+            if self.by_position is not None:
+                self.by_position.add(outputs, targets)
+        elif isinstance(batch, LabelBatch):
+            self.matches += (outputs.argmax(-1) == batch.targets.to(outputs.device)).sum().item()
+        else:  # the forecast that the next step equals the last one seen: targets[t] = inputs[t]
+            self.persistence += F.mse_loss(batch.inputs.double(), batch.targets.double(), reduction="sum").item()
+
+    def metrics(self, rows: int) -> dict[str, Any]:
+        """`rows`: the sequences drawn (exact-match accuracy of token tasks is over them)."""
+        task, count = self.task, max(self.count, 1)
+        metrics: dict[str, Any] = {"loss": self.loss / count}
+        if task.vocab_size is None and task.num_classes is None:
+            metrics["persistence_loss"] = self.persistence / count
+        if task.num_classes is not None:
+            metrics["accuracy"] = self.matches / count
+            metrics["examples"] = self.count
+        if task.vocab_size is not None:
+            metrics["accuracy"] = self.matches / rows
+            metrics["token_accuracy"] = self.right / count
+            if task.name == "lm_bytes":
+                metrics["bits_per_byte"] = bits_per_byte(metrics["loss"])
+        if self.by_position is not None:
+            metrics.update(self.by_position.metrics(bits=task.name == "lm_bytes"))
+        return metrics
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, task: Task, lengths: list[int], plan: EvalPlan) -> dict[int, dict[str, Any]]:
+    """Per length, on the sequences of `plan`: mean loss per scored position, and for token tasks exact-match accuracy
+    (rows with every scored token right) and token accuracy, and bits per byte for the byte-level LM; classification
+    reports the accuracy over its series and their number (`examples`). Forecasting (series tasks) also reports
+    `persistence_loss`, the mean squared error on the same sequences of the forecast that the next step equals the
+    last one seen: what a forecaster must beat to have learnt more than to repeat."""
+    if plan.position_buckets and task.vocab_size is None:
         raise ValueError(f"position_buckets is for token tasks; {task.name} is not one")
     was_training = model.training
     model.eval()
     results = {}
     for length in lengths:
-        loss_sum, count, matches, right, persistence = 0.0, 0, 0.0, 0.0, 0.0
-        by_position = PositionLosses(length, position_buckets) if position_buckets else None
-        whole = task.full_set(length)
-        if whole is None:
-            parts = (sample_rows(task, range(b * batch_size, (b + 1) * batch_size), length, EVAL_STREAM, seed, length)
-                     for b in range(batches))
-        else:
-            parts = (type(whole)(*(t[i:i + batch_size] for t in whole)) for i in range(0, len(whole.targets),
-                                                                                       batch_size))
-        for batch in parts:
-            batch_loss, outputs = loss_terms(model, batch, torch.device(device), piece, precision)
-            n = scored_positions(batch)
-            loss_sum, count = loss_sum + batch_loss.item(), count + n
-            if isinstance(batch, TokenBatch):
-                targets = batch.targets.to(outputs.device)
-                matches += exact_match(outputs, targets).sum().item()
-                right += token_accuracy(outputs, targets).item() * n
-                if by_position is not None:
-                    by_position.add(outputs, targets)
-            elif isinstance(batch, LabelBatch):
-                matches += (outputs.argmax(-1) == batch.targets.to(outputs.device)).sum().item()
-            else:
-                persistence += F.mse_loss(batch.inputs.double(), batch.targets.double(), reduction="sum").item()
-        metrics = {"loss": loss_sum / max(count, 1)}
-        if task.vocab_size is None and task.num_classes is None:
-            metrics["persistence_loss"] = persistence / max(count, 1)
-        if task.num_classes is not None:
-            metrics["accuracy"] = matches / max(count, 1)
-            metrics["examples"] = count
-        if task.vocab_size is not None:
-            metrics["accuracy"] = matches / (batches * batch_size)
-            metrics["token_accuracy"] = right / max(count, 1)
-            if task.name == "lm_bytes":
-                metrics["bits_per_byte"] = bits_per_byte(metrics["loss"])
-        if by_position is not None:
-            metrics.update(by_position.metrics(bits=task.name == "lm_bytes"))
-        results[length] = metrics
+        tally = EvalTally(task, length, plan.position_buckets)
+        for batch in evaluation_batches(task, length, plan):
+            tally.add(batch, *loss_terms(model, batch, torch.device(plan.device), plan.piece, plan.precision))
+        results[length] = tally.metrics(rows=plan.batches * plan.batch_size)
     model.train(was_training)
     return results
 
@@ -647,9 +676,10 @@ class Trainer:
     def _evaluate(self, lengths: list[int]) -> dict[int, dict[str, Any]]:
         if self.rank:
             return {}
-        return evaluate(self.model, self.eval_task, lengths, self.cfg.eval_batches, self.cfg.eval_batch_size,
-                        device=self.device, piece=self.cfg.eval_piece, precision=self.cfg.dtype,
-                        position_buckets=self.cfg.eval_position_buckets)
+        return evaluate(self.model, self.eval_task, lengths,
+                        EvalPlan(self.cfg.eval_batches, self.cfg.eval_batch_size, device=self.device,
+                                 piece=self.cfg.eval_piece, precision=self.cfg.dtype,
+                                 position_buckets=self.cfg.eval_position_buckets))
 
 
 def setup_distributed(device: str = "cpu") -> bool:
