@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -172,11 +173,13 @@ def plot(data: dict[str, Any], path: Path) -> None:
         elif data["metric"] != "capacity" and all(v > 0 for r in data["results"].values() for s in panel["settings"]
                                                   if (v := r.get(s)) is not None):  # a drop may be negative
             ax.set_yscale("log")
-        ax.set_title(name or data.get("title", data["experiment"]), fontsize=9)
+        if name:  # an unnamed single panel: the figure's title names it
+            ax.set_title(name, fontsize=9)
         ax.grid(alpha=0.3)
     if axes[0][-1].get_legend_handles_labels()[0]:
         axes[0][-1].legend(fontsize=7, loc="best")
-    fig.suptitle(data.get("title", data["experiment"]), fontsize=10)
+    # wrapped to the figure's width (about 11 characters an inch at this size): one narrow panel cut long titles off
+    fig.suptitle(textwrap.fill(data.get("title", data["experiment"]), width=int(11 * 4.2 * len(panels))), fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -196,8 +199,8 @@ def plot_models(ax: Any, data: dict[str, Any], panel: dict[str, Any], name: str)
     ax.set_xticks(range(len(models)), models, fontsize=7, rotation=30)
     ax.set_xlim(-0.6, len(models) - 0.4)
     ax.set_ylabel(data["metric"], fontsize=8)
-    ax.set_title(f"{name or data.get('title', data['experiment'])} ({x_label_of(data, panel)} "
-                 f"{x_text(panel['x'][0])})", fontsize=9)
+    where = f"{x_label_of(data, panel)} {x_text(panel['x'][0])}"
+    ax.set_title(f"{name} ({where})" if name else where, fontsize=9)  # the figure's title names the experiment
     ax.grid(alpha=0.3, axis="y")
 
 
