@@ -327,11 +327,12 @@ def evaluate(model: nn.Module, task: Task, lengths: list[int], plan: EvalPlan) -
         raise ValueError(f"position_buckets is for token tasks; {task.name} is not one")
     was_training = model.training
     model.eval()
+    device = torch.device(plan.device)
     results = {}
     for length in lengths:
         tally = EvalTally(task, length, plan.position_buckets)
         for batch in evaluation_batches(task, length, plan):
-            tally.add(batch, *loss_terms(model, batch, torch.device(plan.device), plan.piece, plan.precision))
+            tally.add(batch, *loss_terms(model, batch, device, plan.piece, plan.precision))
         results[length] = tally.metrics(rows=plan.batches * plan.batch_size)
     model.train(was_training)
     return results
