@@ -200,6 +200,8 @@ def generate(
     max_prompt_tokens: int | None = typer.Option(
         None, min=1, help="Longest prompt accepted (default: the longest length the model was evaluated at)."),
     device: str = typer.Option("cpu", help="cpu, cuda or auto."),
+    compile: bool = typer.Option(False, "--compile", help="Compile the one-token step (torch.compile): faster per "
+                                                          "token after a compile of a minute or more."),
 ) -> None:
     """Continue a prompt with a trained language model (token by token through its constant-size state)."""
     import torch
@@ -225,7 +227,7 @@ def generate(
         raise ValueError(f"--prompt token ids must lie in [0, {cfg.model.vocab_size})")
     generator = torch.Generator(device=model_device(model)).manual_seed(seed)
     tokens = model.generate(torch.tensor([ids], device=model_device(model)), max_new_tokens, temperature, top_k,
-                            top_p, generator=generator)
+                            top_p, generator=generator, compile=compile)
     new = tokens[0, len(ids):].tolist()
     if byte_level:  # ids beyond a byte (a model given a larger vocabulary) print as U+FFFD
         typer.echo(bytes(t if t < 256 else 0xFF for t in new).decode("utf-8", errors="replace"))

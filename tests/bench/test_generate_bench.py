@@ -5,9 +5,9 @@ import json
 import torch
 from typer.testing import CliRunner
 
-from titans.bench.generate import measure_generation, ops_per_token
+from titans.bench.generate import format_table, measure_generation, ops_per_token
 from titans.cli import app
-from titans.models import TitansConfig, TitansLM
+from titans.models import TitansConfig, TitansLM, lm
 
 TINY = {"vocab_size": 32, "dim": 16, "depth": 1, "heads": 2, "window": 4, "segment_len": 4}
 
@@ -20,6 +20,22 @@ def test_rows_per_variant_with_the_ratio_to_the_transformer():
         assert row["tokens_per_s"] > 0 and row["ops_per_token"] > 0 and row["num_parameters"] > 0
         for rate, ratio in (("tokens_per_s", "vs_transformer"), ("tokens_per_cpu_s", "cpu_vs_transformer")):
             assert abs(row[ratio] - row[rate] / rows[0][rate]) < 1e-9
+
+
+def test_compiled_rows_follow_the_eager_ones(monkeypatch):
+    """With `compile`, every variant is measured a second time through generate(compile=True), its ratio taken to the
+    eager transformer. The step is not really compiled here (tests/models/test_generate_compile.py compiles one):
+    the eager step stands in for it, so only the bench's bookkeeping is under test."""
+    monkeypatch.setattr(lm, "_compiled_logits", lambda: TitansLM._logits)
+    rows = measure_generation(TINY, ["transformer", "lmm"], prompt_len=6, new_tokens=3, rounds=1, compile=True)
+    assert [(r["variant"], r["compiled"]) for r in rows] == [
+        ("transformer", False), ("lmm", False), ("transformer", True), ("lmm", True)]
+    for row in rows:
+        for rate, ratio in (("tokens_per_s", "vs_transformer"), ("tokens_per_cpu_s", "cpu_vs_transformer")):
+            assert abs(row[ratio] - row[rate] / rows[0][rate]) < 1e-9
+        assert (row["ops_per_token"] is None) == row["compiled"] == ("compile_s" in row)
+    table = format_table(rows).splitlines()
+    assert len(table) == 5 and "compiled" in table[3] and table[3].split()[-2] == "-"
 
 
 def test_ops_are_counted_per_token():

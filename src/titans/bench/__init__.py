@@ -291,6 +291,9 @@ def generate(
                                                             "experiment runs)."),
     overrides: Optional[list[str]] = typer.Option(None, "--set", help="A change to the efficiency experiment's model, "
                                                                       "as `titans train` takes it: model.dim=256"),
+    compile: bool = typer.Option(False, "--compile", help="Also measure every variant with its one-token step "
+                                                          "compiled (generate(compile=True)); compiling takes "
+                                                          "minutes on a CPU."),
     out: Optional[Path] = typer.Option(None, help="Write the rows as JSON here."),
 ) -> None:
     """Generation tokens/s of every variant at the efficiency experiment's model config, interleaved in one process,
@@ -307,7 +310,8 @@ def generate(
     if threads is not None:
         torch.set_num_threads(threads)
     base = apply_overrides({"model": load_experiment("efficiency").base["model"]}, overrides or [])
-    rows = measure_generation(base["model"], _choices(variants, "variants", VARIANTS), prompt_len, new_tokens, rounds)
+    rows = measure_generation(base["model"], _choices(variants, "variants", VARIANTS), prompt_len, new_tokens, rounds,
+                              compile=compile)
     typer.echo(f"machine: {describe_machine()}; {torch.get_num_threads()} threads; {new_tokens} tokens after a "
                f"{prompt_len}-token prompt, best of {rounds} interleaved rounds; model {base['model']}")
     typer.echo(format_table(rows))

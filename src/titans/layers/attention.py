@@ -205,7 +205,7 @@ class HeadProjections(nn.Module):
         """`cache` must be a `cls` whose keys and values are `[batch, heads, *, head_dim]`, as this layer returns."""
         owner = type(self).__name__
         check_state_type(owner, cache, cls)
-        fields = (f.name for f in dataclasses.fields(cls))
+        fields = (f.name for f in dataclasses.fields(cache))  # of the instance: dynamo cannot read a class's
         check_state_shapes(owner, {name: (getattr(cache, name), (batch, self.heads, None, self.head_dim))
                                    for name in fields if isinstance(getattr(cache, name), Tensor)})
 

@@ -10,6 +10,7 @@ import contextlib
 from contextvars import ContextVar
 from typing import Iterator, Mapping, Optional
 
+import torch
 from torch import Tensor
 
 Sizes = tuple[Optional[int], ...]  # None: a size that may vary (a cache's length)
@@ -30,8 +31,12 @@ def trusted_states() -> Iterator[None]:
 
 
 def states_trusted() -> bool:
-    """Whether the states are the model's own (inside `trusted_states`): the checks below then return at once."""
-    return _trusted.get()
+    """Whether the states are the model's own (inside `trusted_states`): the checks below then return at once.
+
+    While torch.compile traces (generation's compiled step), the answer is no: dynamo cannot read a ContextVar (a
+    graph break at every layer), and traced, the shape checks below cost nothing per call (they become the
+    graph's guards)."""
+    return not torch.compiler.is_compiling() and _trusted.get()
 
 
 def check_state_type(owner: str, state: object, cls: type) -> None:

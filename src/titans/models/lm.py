@@ -8,6 +8,7 @@ sequence fed in pieces gives the same logits as one call, and generation needs n
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from pathlib import Path
@@ -21,6 +22,7 @@ from torch import Tensor, nn
 
 from ..layers import RMSNorm, trusted_states
 from ..memory.checks import checks_values
+from ..memory.parallel import COMPILED_GRAPHS, compile_unavailable
 from .baselines import build_gated_deltanet_mixer, build_lstm_mixer, build_swa_mixer, build_transformer_mixer
 from .common import Block, count_parameters, mlp_hidden_size
 from .config import TitansConfig
@@ -151,28 +153,37 @@ class TitansLM(nn.Module):
     @torch.no_grad()
     def generate(self, prompt: Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: Optional[int] = None,
                  top_p: Optional[float] = None, state: Optional[State] = None,
-                 generator: Optional[torch.Generator] = None, return_state: bool = False
+                 generator: Optional[torch.Generator] = None, return_state: bool = False, compile: bool = False
                  ) -> Union[Tensor, tuple[Tensor, State]]:
         """Continue `prompt` [batch, T ≥ 1] by `max_new_tokens`, one token at a time through the state.
 
         The state stays bounded (attention caches ≤ window or segment, memory constant; only the full-
         attention Transformer++ baseline keeps every key). Temperature 0 is greedy. Returns the prompt
         followed by the new tokens, and with `return_state` the state after the last of them.
+
+        `compile` runs each one-token step through torch.compile (`_compiled_logits`): the same tokens, with the
+        per-token Python and operator overhead of a recurrent step fused away, at the price of compiling on first
+        use (tens of seconds to minutes on a CPU; `titans bench generate --compile` measures both).
         """
         if prompt.dim() != 2 or prompt.shape[1] < 1:
             raise ValueError(f"prompt must be [batch, T] with T >= 1, got shape {tuple(prompt.shape)}")
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         check_sampling(temperature, top_k, top_p)
+        step = self._logits
+        if compile:
+            if (reason := compile_unavailable(prompt.device.type)) is not None:
+                raise ValueError(f"generate(compile=True) cannot compile here: {reason}")
+            step = functools.partial(_compiled_logits(), self)
         logits, state = self(prompt, state)  # checks the prompt and the caller's state
         tokens = [prompt]
         # From here on each token is one the sampler drew from the vocabulary and each state the one the model just
         # returned: neither is checked again (on a GPU the token check would wait for the device every step).
-        with trusted_states():
+        with trusted_states(), torch._dynamo.config.patch(recompile_limit=COMPILED_GRAPHS):
             for _ in range(max_new_tokens):
                 next_token = sample_next(logits[:, -1], temperature, top_k, top_p, generator)[:, None]
                 tokens.append(next_token)
-                logits, state = self._logits(next_token, state)
+                logits, state = step(next_token, state)
         out = torch.cat(tokens, 1)
         return (out, state) if return_state else out
 
@@ -219,3 +230,14 @@ class TitansLM(nn.Module):
             raise ValueError(f"{weights_path} does not match the config (missing {sorted(missing)[:3]}, "
                              f"unexpected {sorted(unexpected)[:3]})")
         return model.eval()  # for inference, as loaded models are used; call .train() to fine-tune
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_logits() -> Callable[[TitansLM, Tensor, State], tuple[Tensor, State]]:
+    """`TitansLM._logits` through torch.compile, for generation's one-token steps: the blocks' projections, norms,
+    memory step and attention over the caches as a few fused kernels instead of hundreds of small operators per
+    token. Shapes are dynamic, because a cache's length and the memory's pending tokens change from token to token;
+    dynamo specialises only where the code branches on them (a chunk's end, an empty cache), so a model needs a
+    handful of graphs. Its guards key the cache on the model and the state's structure, so one compiled callable
+    serves every model (each with its own graphs, under COMPILED_GRAPHS)."""
+    return torch.compile(TitansLM._logits, dynamic=True)
