@@ -237,7 +237,7 @@ def _compiled_logits() -> Callable[[TitansLM, Tensor, State], tuple[Tensor, Stat
     """`TitansLM._logits` through torch.compile, for generation's one-token steps: the blocks' projections, norms,
     memory step and attention over the caches as a few fused kernels instead of hundreds of small operators per
     token. Shapes are dynamic, because a cache's length and the memory's pending tokens change from token to token;
-    dynamo specialises only where the code branches on them (a chunk's end, an empty cache), so a model needs a
-    handful of graphs. Its guards key the cache on the model and the state's structure, so one compiled callable
+    dynamo specialises only where the code branches on them (a chunk's end, an empty cache), so a Titans model needs
+    three to five graphs. Its guards key the cache on the model and the state's structure, so one compiled callable
     serves every model (each with its own graphs, under COMPILED_GRAPHS)."""
     return torch.compile(TitansLM._logits, dynamic=True)
