@@ -8,6 +8,7 @@ sequence fed in pieces gives the same logits as one call, and generation needs n
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
@@ -170,16 +171,17 @@ class TitansLM(nn.Module):
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         check_sampling(temperature, top_k, top_p)
-        step = self._logits
+        step, graphs = self._logits, contextlib.nullcontext()
         if compile:
             if (reason := compile_unavailable(prompt.device.type)) is not None:
                 raise ValueError(f"generate(compile=True) cannot compile here: {reason}")
             step = functools.partial(_compiled_logits(), self)
+            graphs = torch._dynamo.config.patch(recompile_limit=COMPILED_GRAPHS)
         logits, state = self(prompt, state)  # checks the prompt and the caller's state
         tokens = [prompt]
         # From here on each token is one the sampler drew from the vocabulary and each state the one the model just
         # returned: neither is checked again (on a GPU the token check would wait for the device every step).
-        with trusted_states(), torch._dynamo.config.patch(recompile_limit=COMPILED_GRAPHS):
+        with trusted_states(), graphs:
             for _ in range(max_new_tokens):
                 next_token = sample_next(logits[:, -1], temperature, top_k, top_p, generator)[:, None]
                 tokens.append(next_token)
