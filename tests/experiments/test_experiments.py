@@ -13,7 +13,7 @@ from titans.cli import app
 from titans.experiments import expand, experiment_names, load_experiment, run_experiment, write_report
 from titans.experiments.measure import memory_reader
 from titans.experiments.report import README_END, README_START, fmt, load_results, plot_models
-from titans.experiments.runner import _train_or_error, finished, resumable, train_one, train_results
+from titans.experiments.runner import _train_or_error, describe_run, finished, resumable, train_one, train_results
 from titans.tasks import measure_capacity
 from titans.train import build_model, build_task, train
 
@@ -220,6 +220,14 @@ def test_a_failed_run_is_recorded_and_the_grid_goes_on(tmp_path):
     blocker.write_text("not a run directory")
     summary = _train_or_error(run.config, blocker)
     assert "error" in summary and blocker.read_text() == "not a run directory"
+
+
+def test_a_finished_run_is_described_by_the_experiments_metric():
+    summary = {"step": 1000, "train_seconds": 359.7, "results": {
+        "64": {"loss": 3.83, "accuracy": 0.0, "token_accuracy": 0.127}}}
+    assert describe_run(summary, "token_accuracy") == "1000 steps in 360 s; token_accuracy 64: 0.127"
+    assert describe_run(summary, "bits_per_byte") == "1000 steps in 360 s; loss 64: 3.830"  # not measured: the loss
+    assert describe_run({"error": "ValueError: bad"}, "accuracy") == "ValueError: bad"
 
 
 def test_report_is_written_from_the_json_alone(quick_results, tmp_path):

@@ -14,6 +14,7 @@ by it).
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -84,7 +85,7 @@ def continual_results(exp: Experiment, runs_dir: Path, jobs: int, quick: bool, q
         print(f"{exp.name}: the {len(runs)} runs of {source.name} (trained where missing), {jobs} at a time",
               flush=True)
     summaries = run_parallel(_train_or_error, list(zip([r.config for r in runs], dirs)), [r.run_id for r in runs],
-                             jobs, describe_run, quiet)
+                             jobs, functools.partial(describe_run, metric=source.metric), quiet)
     measured = [i for i, summary in enumerate(summaries) if "error" not in summary]
     calls = [(runs_dir / exp.name / f"{runs[i].run_id}.json", continual_point, str(dirs[i]), grid.to_dict(),
               runs[i].config.to_dict(), summaries[i]["step"], summaries[i]["train_seconds"]) for i in measured]

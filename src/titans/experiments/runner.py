@@ -21,6 +21,7 @@ The results JSON (`docs/results/<experiment>.json`) holds everything the report 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -151,13 +152,15 @@ def one_thread() -> None:
     torch.set_num_threads(1)
 
 
-def describe_run(summary: dict[str, Any]) -> str:
+def describe_run(summary: dict[str, Any], metric: str = "loss") -> str:
+    """A finished run's progress line: its steps, seconds and `metric` at each evaluation length (the loss where the
+    evaluation has no such metric)."""
     if "error" in summary:
         return summary["error"]
-    # the byte-level LM's whole-window accuracy is ~0 whatever the model: its bits per byte say how it did
-    values = ", ".join(f"{length}: {m.get('bits_per_byte', m.get('accuracy', m['loss'])):.3f}"
-                       for length, m in summary["results"].items())
-    return f"{summary['step']} steps in {summary['train_seconds']:.0f} s; {values}"
+    results = summary["results"].values()
+    name = metric if all(metric in m for m in results) else "loss"
+    values = ", ".join(f"{length}: {m[name]:.3f}" for length, m in summary["results"].items())
+    return f"{summary['step']} steps in {summary['train_seconds']:.0f} s; {name} {values}"
 
 
 def add_setting(panels: dict[str, dict[str, Any]], panel: str, setting: str, x: float, **keys: Any) -> None:
@@ -264,8 +267,9 @@ def run_experiment(exp: Experiment, results_dir: Path, runs_dir: Path, jobs: int
         dirs = [runs_dir / exp.name / run.run_id for run in runs]
         if not quiet:
             print(f"{exp.name}: {len(runs)} training runs, {jobs} at a time, in {runs_dir / exp.name}", flush=True)
+        describe = functools.partial(describe_run, metric=exp.metric)
         summaries = run_parallel(_train_or_error, list(zip([r.config for r in runs], dirs)),
-                                 [r.run_id for r in runs], jobs, describe_run, quiet)
+                                 [r.run_id for r in runs], jobs, describe, quiet)
         body = train_results(exp, runs, summaries)
     elif exp.kind == "continual":
         body = continual.continual_results(exp, runs_dir, jobs, quick, quiet)
