@@ -249,6 +249,21 @@ def test_report_is_written_from_the_json_alone(quick_results, tmp_path):
     assert "RESULTS.md" in block and block.count("|---|") == len(load_results(copied))  # a headline each
 
 
+def test_a_headline_over_tasks_shows_each_panels_smallest_and_largest_x(quick_results):
+    """MQAR's x is the number of pairs: its README table needs the easy end beside the hard one, where at a small
+    budget every model may be at chance."""
+    from titans.experiments.report import headline
+
+    results_dir, _ = quick_results
+    data = json.loads((results_dir / "mqar.json").read_text())
+    table = headline(data, "RESULTS.md", "mqar.png")
+    assert "at the smallest and the largest key-value pairs of each panel" in table
+    assert "| model | dim16 2 | dim16 4 | dim32 2 | dim32 4 |" in table
+    settings = ("dim16/2", "dim16/4", "dim32/2", "dim32/4")
+    row = " | ".join(fmt(data["results"]["lstm"][s], data["metric"]) for s in settings)
+    assert f"| lstm | {row} |" in table
+
+
 def test_runs_the_time_budget_stopped_short_are_named(quick_results, tmp_path):
     """A run cut by its time budget trained less than the others: the report says which, with its steps."""
     results_dir, _ = quick_results

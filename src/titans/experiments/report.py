@@ -335,18 +335,20 @@ def section(data: dict[str, Any], json_path: Path, plot_path: Path, relative_to:
 
 
 def headline(data: dict[str, Any], results_md: str, plot_path: str) -> str:
-    """The README's lines for one experiment: its table at the largest x of each panel (a train experiment over
-    lengths: at the training length and the largest), the plot, the link. Panels against position in the context
-    are left to RESULTS.md and the plot."""
+    """The README's lines for one experiment: its table at the largest x of each panel (a train experiment: at the
+    smallest x, its training length over lengths, and the largest), the plot, the link. Panels against position in
+    the context are left to RESULTS.md and the plot."""
     panels = {name: p for name, p in data["panels"].items() if "positions_of" not in p}
-    both_ends = data.get("kind", "train") in TRAINED and data.get("x_axis", "length") == "length" and \
+    by_length = data.get("x_axis", "length") == "length"
+    both_ends = data.get("kind", "train") in TRAINED and \
         any(len(p["x"]) > 1 for p in panels.values())  # panels of one column each: their one length, said once
     ends = {name: ([0, -1] if both_ends and len(p["x"]) > 1 else [-1]) for name, p in panels.items()}
     columns = [(name, p, end) for name, p in panels.items() for end in ends[name]]
     chosen = {"settings": [p["settings"][end] for _, p, end in columns]}
     labels = [" ".join(filter(None, (name, x_text(p["x"][end]) if len(ends[name]) > 1 or not name else "")))
               for name, p, end in columns]
-    where = ("the training length and the largest" if both_ends else "the largest") + \
+    smallest = "the training length" if by_length else "the smallest"
+    where = (f"{smallest} and the largest" if both_ends else "the largest") + \
         f" {data.get('x_label', 'x')} of each panel"
     title = data.get("title", data["experiment"])
     anchor = "".join(c for c in title.lower().replace(" ", "-") if c.isalnum() or c in "-_")
