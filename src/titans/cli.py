@@ -310,15 +310,19 @@ def experiment_run(
     runs_dir: Path | None = typer.Option(None, help="Where the runs go (default runs/experiments, or "
                                                     "runs/experiments-quick with --quick); finished runs are reused."),
     quiet: bool = typer.Option(False, help="No line per finished run."),
+    retrain: bool = typer.Option(False, help="Train every run again, even those the results JSON or the runs "
+                                             "directory holds finished (after a change to the model's code, which "
+                                             "no config shows)."),
 ) -> None:
-    """Run an experiment's grid (resumable: finished runs are read back, killed ones continue) and write its JSON
-    (its path is the last line)."""
+    """Run an experiment's grid (resumable: finished runs are read back from the runs directory or from the results
+    JSON, killed ones continue) and write its JSON after every finished run (its path is the last line)."""
     from .experiments import load_experiment, run_experiment
 
     exp = load_experiment(name, quick=quick)
     default_root = Path("runs/experiments-quick") if quick else Path("runs/experiments")
     results_dir = results_dir or (default_root / "results" if quick else Path("docs/results"))
-    typer.echo(str(run_experiment(exp, results_dir, runs_dir or default_root, jobs, quick=quick, quiet=quiet)))
+    typer.echo(str(run_experiment(exp, results_dir, runs_dir or default_root, jobs, quick=quick, quiet=quiet,
+                                   retrain=retrain)))
 
 
 @experiment_app.command("report")

@@ -182,6 +182,109 @@ def spy_on_train(monkeypatch) -> list[dict]:
     return calls
 
 
+def fresh_clone_of(results_dir: Path, name: str, tmp_path: Path, edit=None) -> Path:
+    """A results dir holding only `name`'s JSON (edited by `edit(data)`), as a fresh clone has it: no runs dir."""
+    data = json.loads((results_dir / f"{name}.json").read_text())
+    if edit is not None:
+        edit(data)
+    clone = tmp_path / "clone"
+    clone.mkdir()
+    (clone / f"{name}.json").write_text(json.dumps(data))
+    return clone
+
+
+def drop_evaluations(data):
+    """A JSON as written before records kept their whole evaluation."""
+    for record in data["runs"].values():
+        record.pop("evaluation", None)
+        record.pop("machine", None)
+
+
+@pytest.mark.parametrize("name", ["niah", "lm"])
+@pytest.mark.parametrize("edit", [None, drop_evaluations])
+def test_a_grid_continues_from_its_json_where_the_runs_are_gone(quick_results, tmp_path, monkeypatch, name, edit):
+    """A fresh clone has the committed JSON and no runs directory: every run the JSON records is read back from it
+    (from its values, in a JSON from before records kept their evaluation), positions in the context included."""
+    results_dir, _ = quick_results
+    before = json.loads((results_dir / f"{name}.json").read_text())
+    clone = fresh_clone_of(results_dir, name, tmp_path, edit)
+    calls = spy_on_train(monkeypatch)
+    exp = load_experiment(name, quick=True, folder=FOLDER)
+    after = json.loads(run_experiment(exp, clone, tmp_path / "no-runs", jobs=1, quick=True, quiet=True).read_text())
+    assert calls == [] and not (tmp_path / "no-runs").exists()
+    assert after["results"] == before["results"] and after["spread"] == before["spread"]
+    assert "pending" not in after
+    for run_id, record in after["runs"].items():
+        assert record["values"] == before["runs"][run_id]["values"]
+        assert record["steps"] == before["runs"][run_id]["steps"] and record["evaluation"]
+
+
+def test_a_run_whose_config_changed_or_failed_is_trained_again_and_the_rest_read_back(quick_results, tmp_path,
+                                                                                     monkeypatch):
+    results_dir, _ = quick_results
+    exp = load_experiment("niah", quick=True, folder=FOLDER)
+    changed, failed, *_ = [run.run_id for run in expand(exp)]
+
+    def edit(data):
+        data["runs"][changed]["config"]["optim"]["lr"] *= 2  # trained under another config than the grid's
+        data["runs"][failed] = {**data["runs"][failed], "error": "RuntimeError: out of memory"}
+
+    clone = fresh_clone_of(results_dir, "niah", tmp_path, edit)
+    calls = spy_on_train(monkeypatch)
+    after = json.loads(run_experiment(exp, clone, tmp_path / "runs", jobs=1, quick=True, quiet=True).read_text())
+    assert len(calls) == 2
+    assert sorted(p.name for p in (tmp_path / "runs" / "niah").iterdir()) == sorted([changed, failed])
+    assert "error" not in after["runs"][failed] and set(after["runs"]) == {run.run_id for run in expand(exp)}
+
+
+def test_a_new_seed_trains_the_new_runs_only_and_the_json_follows_each_run(quick_results, tmp_path, monkeypatch):
+    """Adding a seed trains the new seed's runs; the JSON is rewritten after each finished run, the runs not yet
+    finished under "pending", so a killed grid keeps what it finished in the JSON."""
+    results_dir, _ = quick_results
+    exp = load_experiment("niah", quick=True, folder=FOLDER)
+    seeded = exp.replace(seeds=[*exp.seeds, 7])
+    new = [run.run_id for run in expand(seeded) if run.seed == 7]
+    clone = fresh_clone_of(results_dir, "niah", tmp_path)
+    seen_pending = []
+
+    def spy(cfg, run_dir, **kwargs):
+        seen_pending.append(json.loads((clone / "niah.json").read_text()).get("pending"))
+        return train(cfg, run_dir, **kwargs)
+
+    monkeypatch.setattr("titans.train.train", spy)
+    after = json.loads(run_experiment(seeded, clone, tmp_path / "runs", jobs=1, quick=True, quiet=True).read_text())
+    assert len(seen_pending) == len(new)
+    assert seen_pending[1:] == [new[i:] for i in range(1, len(new))]  # the JSON before each run after the first
+    assert "pending" not in after and {r["seed"] for r in after["runs"].values()} == {*exp.seeds, 7}
+    assert all(after["spread"][model] for model in after["results"])
+
+
+def test_retrain_trains_every_run_again(quick_results, tmp_path, monkeypatch):
+    results_dir, runs_dir = quick_results
+    exp = load_experiment("long", quick=True, folder=FOLDER)
+    clone = fresh_clone_of(results_dir, "long", tmp_path)
+    shutil.copytree(runs_dir / "long", tmp_path / "runs" / "long")
+    calls = spy_on_train(monkeypatch)
+    run_experiment(exp, clone, tmp_path / "runs", jobs=1, quick=True, quiet=True, retrain=True)
+    assert len(calls) == len(expand(exp)) and all(call["force"] and not call["resume"] for call in calls)
+
+
+def test_an_incomplete_grid_and_runs_from_several_machines_are_said_in_the_report(quick_results, tmp_path):
+    from titans.experiments.report import headline, section
+
+    results_dir, _ = quick_results
+    data = json.loads((results_dir / "niah.json").read_text())
+    first, *rest = data["runs"]
+    data["pending"] = rest
+    data["runs"] = {first: {**data["runs"][first], "machine": "machine A"}}
+    text = section(data, results_dir / "niah.json", results_dir / "niah.png", results_dir)
+    assert f"**Incomplete**: 1 of {1 + len(rest)} runs finished" in text
+    assert f"incomplete, 1 of {1 + len(rest)} runs finished" in headline(data, "RESULTS.md", "niah.png")
+    data["runs"]["other"] = {**data["runs"][first], "machine": "machine B"}
+    text = section(data, results_dir / "niah.json", results_dir / "niah.png", results_dir)
+    assert "machine A (1 runs); machine B (1 runs)" in text
+
+
 def test_a_killed_run_continues_from_its_checkpoint(tmp_path, monkeypatch):
     run = expand(load_experiment("long", quick=True, folder=FOLDER))[0]
     cfg = run.config.replace(steps=4, checkpoint_every=2)

@@ -309,6 +309,13 @@ def section(data: dict[str, Any], json_path: Path, plot_path: Path, relative_to:
              f"[`{json_path.as_posix()}`]({relative(json_path, relative_to)})"
              + (f" ({data['tier']} tier)" if data.get("tier") == "quick" else "") + f"; {data.get('machine', '')}"
              + (f"; seeds {', '.join(map(str, seeds))} (mean, range in brackets)" if len(seeds) > 1 else ""), ""]
+    if data.get("pending"):
+        parts += [f"**Incomplete**: {partial_text(data)}; the empty cells are runs still to come, and "
+                  f"`{data.get('command', '')}` continues the grid.", ""]
+    machines = machines_of(data)
+    if len(machines) > 1:
+        parts += ["The runs were trained on several machines (their seconds are not comparable across them): "
+                  + "; ".join(f"{m} ({n} runs)" for m, n in machines.items()) + ".", ""]
     if data.get("about"):
         parts += [data["about"], ""]
     better = "higher is better" if data["higher_is_better"] else "lower is better"
@@ -334,6 +341,20 @@ def section(data: dict[str, Any], json_path: Path, plot_path: Path, relative_to:
     return "\n".join(parts)
 
 
+def partial_text(data: dict[str, Any]) -> str:
+    finished = len(data["runs"])
+    return f"{finished} of {finished + len(data['pending'])} runs finished"
+
+
+def machines_of(data: dict[str, Any]) -> dict[str, int]:
+    """{machine: number of runs trained on it}, for the runs that name theirs."""
+    count: dict[str, int] = {}
+    for run in data["runs"].values():
+        if run.get("machine"):
+            count[run["machine"]] = count.get(run["machine"], 0) + 1
+    return count
+
+
 def headline(data: dict[str, Any], results_md: str, plot_path: str) -> str:
     """The README's lines for one experiment: its table at the largest x of each panel (a train experiment: at the
     smallest x, its training length over lengths, and the largest), the plot, the link. Panels against position in
@@ -352,6 +373,7 @@ def headline(data: dict[str, Any], results_md: str, plot_path: str) -> str:
         f" {data.get('x_label', 'x')} of each panel"
     title = data.get("title", data["experiment"])
     anchor = "".join(c for c in title.lower().replace(" ", "-") if c.isalnum() or c in "-_")
+    where += f"; incomplete, {partial_text(data)}" if data.get("pending") else ""
     return "\n".join([f"**{title}** ({data['metric']} at {where}; "
                       f"`{data.get('command', '')}`; [details]({results_md}#{anchor}), [plot]({plot_path}))", "",
                       panel_table(data, chosen, labels, [panel_better(data, p) for _, p, _ in columns]), ""])

@@ -5,6 +5,12 @@ config is read back, not trained again; an unfinished one (killed) continues fro
 config is replaced. Runs go `jobs` at a time, one process and one torch thread each. A run that fails (a config the
 machine cannot hold, too many skipped steps) is recorded with its error and a null result; the rest go on.
 
+The results JSON is also the grid's ledger: it is rewritten after every finished run (with the runs still to come
+under "pending"), and a run it records, finished, with exactly the config of the grid's run (up to the time budget),
+is read back from it, not trained again. So a grid continues from a committed JSON on a fresh clone, where the runs
+directory is gone: adding a seed to an experiment trains the new seed only. `retrain` trains every run again (after a
+change to the model's code, which no config shows).
+
 The results JSON (`docs/results/<experiment>.json`) holds everything the report needs:
 
     {"experiment", "title", "about", "discussion", "tier", "command", "machine", "metric", "higher_is_better",
@@ -16,7 +22,9 @@ The results JSON (`docs/results/<experiment>.json`) holds everything the report 
                  runs of the metric they report for it),
      "spread": {"<model>": {"<setting>": [min, max] over seeds}},
      "runs": {"<run id>": {"model", "panel", "task", "seed", "config", "num_parameters", "steps", "seconds",
-                           "skipped_steps", "values": {"<setting>": value}, "error"?}}}
+                           "skipped_steps", "machine", "values": {"<setting>": value},
+                           "evaluation": {"<length>": {every metric its evaluation reported}}, "error"?}},
+     "pending": [run ids not finished yet] (only while the grid is incomplete)}
 """
 
 from __future__ import annotations
@@ -80,23 +88,23 @@ def resumable(cfg: TrainConfig, run_dir: Path) -> bool:
     return run is not None and (run[1] is None or _cut_short_by_another_budget(cfg, *run))
 
 
-def train_one(cfg: TrainConfig, run_dir: Path) -> dict[str, Any]:
+def train_one(cfg: TrainConfig, run_dir: Path, retrain: bool = False) -> dict[str, Any]:
     """Train `cfg` into `run_dir` unless it is already done there: continue an unfinished run of the same config,
-    replace anything else; return the run's eval.json."""
+    replace anything else (everything, with `retrain`); return the run's eval.json."""
     from ..train import train
 
-    done = finished(cfg, run_dir)
+    done = None if retrain else finished(cfg, run_dir)
     if done is None:
-        resume = resumable(cfg, run_dir)
+        resume = not retrain and resumable(cfg, run_dir)
         train(cfg, run_dir, quiet=True, resume=resume, force=run_dir.exists() and not resume)
         done = json.loads((run_dir / "eval.json").read_text())
     return done
 
 
-def _train_or_error(cfg: TrainConfig, run_dir: Path) -> dict[str, Any]:
+def _train_or_error(cfg: TrainConfig, run_dir: Path, retrain: bool = False) -> dict[str, Any]:
     """`train_one`, with a failure returned as {"error": ...} so that one bad run does not stop the grid."""
     try:
-        return train_one(cfg, run_dir)
+        return train_one(cfg, run_dir, retrain)
     except (ValueError, RuntimeError, MemoryError, OSError) as err:
         return {"error": f"{type(err).__name__}: {' '.join(str(err).split())[:300]}"}
 
@@ -121,13 +129,17 @@ def cached(path: Path, function: Callable[..., Any], *args: Any) -> Any:
 
 
 def run_parallel(function: Callable[..., Any], calls: list[tuple[Any, ...]], labels: list[str], jobs: int,
-                 describe: Callable[[Any], str], quiet: bool = False) -> list[Any]:
+                 describe: Callable[[Any], str], quiet: bool = False,
+                 on_result: Callable[[int, Any], None] | None = None) -> list[Any]:
     """`function(*call)` for every call, `jobs` processes at a time (in this process when jobs is 1), printing one
-    line per finished call; results in the order of `calls`."""
+    line per finished call and handing each result to `on_result(index, result)` as it comes; results in the order
+    of `calls`."""
     results: list[Any] = [None] * len(calls)
     start = time.perf_counter()
 
     def report(i: int, done: int) -> None:
+        if on_result is not None:
+            on_result(i, results[i])
         if not quiet:
             print(f"[{done}/{len(calls)} {time.perf_counter() - start:6.0f} s] {labels[i]}: {describe(results[i])}",
                   flush=True)
@@ -204,12 +216,69 @@ def train_results(exp: Experiment, runs: list[Run], summaries: list[dict[str, An
 
 def run_record(run: Run, summary: dict[str, Any], values: dict[str, float | None]) -> dict[str, Any]:
     """The JSON's record of one training run: where it sits in the grid, its config, its values and how it trained
-    (or its error)."""
+    (or its error), with its whole evaluation so that a later run of the grid can read it back (`recorded_runs`)."""
     return {"model": run.model, "panel": run.panel, "task": run.task, "seed": run.seed,
             "config": run.config.to_dict(), "values": values,
             **({"error": summary["error"]} if "error" in summary else {
                 "num_parameters": summary["num_parameters"], "steps": summary["step"],
-                "seconds": round(summary["train_seconds"], 1), "skipped_steps": summary.get("skipped_steps", 0)})}
+                "seconds": round(summary["train_seconds"], 1), "skipped_steps": summary.get("skipped_steps", 0),
+                **({"machine": summary["machine"]} if summary.get("machine") else {}),
+                "evaluation": summary["results"]})}
+
+
+def _as_json(value: Any) -> Any:
+    return json.loads(json.dumps(value))
+
+
+def recorded_runs(path: Path, exp: Experiment, runs: list[Run]) -> dict[str, dict[str, Any]]:
+    """{run id: its eval.json summary} for the runs of `runs` that the results JSON at `path` records finished with
+    exactly their config (up to the time budget, as `finished` reads a run directory), so that they are not trained
+    again. A record cut short by a time budget other than the grid's is not read back (it would train on); nor is one
+    that failed. A record from before records kept their evaluation is rebuilt from its values."""
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+        records, machine = data["runs"], data.get("machine")
+    except (ValueError, KeyError, TypeError):
+        return {}  # not a results JSON: `titans experiment report` names what is wrong with it
+    known = {}
+    for run in runs:
+        record = records.get(run.run_id)
+        if not isinstance(record, dict) or "error" in record or not isinstance(record.get("config"), dict):
+            continue
+        config = {key: value for key, value in record["config"].items() if key != "time_budget_s"}
+        if config != _as_json(_without_budget(run.config)):
+            continue
+        if record["steps"] < run.config.steps and record["config"].get("time_budget_s") != run.config.time_budget_s:
+            continue
+        evaluation = record.get("evaluation") or evaluation_from_values(record["values"], run, exp)
+        if evaluation is not None:
+            known[run.run_id] = {"results": evaluation, "num_parameters": record["num_parameters"],
+                                 "step": record["steps"], "train_seconds": record["seconds"],
+                                 "skipped_steps": record.get("skipped_steps", 0),
+                                 "machine": record.get("machine", machine)}
+    return known
+
+
+def evaluation_from_values(values: dict[str, float | None], run: Run, exp: Experiment) -> dict[str, Any] | None:
+    """A run's evaluation (the metric at each length, and by position where it was kept) rebuilt from the values a
+    record holds; None where the experiment needs more than those (a baseline row reads other metrics)."""
+    if exp.baselines:
+        return None
+    evaluation = {}
+    for length in run.config.task.eval_lengths:
+        setting = run.setting(length, exp)
+        if setting not in values:
+            return None
+        metrics: dict[str, Any] = {exp.metric: values[setting]}
+        panel = ", ".join(filter(None, (run.panel, f"{exp.metric} by position at {length:g}")))
+        ends = [key[len(panel) + 1:] for key in values if key.startswith(panel + "/")]
+        if ends:
+            metrics["position_ends"] = [int(end) if end.isdigit() else float(end) for end in ends]
+            metrics[f"{exp.metric}_by_position"] = [values[f"{panel}/{end}"] for end in ends]
+        evaluation[str(length)] = metrics
+    return evaluation
 
 
 def collect(per_seed: dict[str, dict[str, list[float | None]]], row: str, values: dict[str, float | None]) -> None:
@@ -247,8 +316,9 @@ def default_jobs() -> int:
 
 
 def run_experiment(exp: Experiment, results_dir: Path, runs_dir: Path, jobs: int | None = None,
-                   quick: bool = False, quiet: bool = False) -> Path:
-    """Run `exp` (resumably) and write `<results_dir>/<name>.json`; return its path."""
+                   quick: bool = False, quiet: bool = False, retrain: bool = False) -> Path:
+    """Run `exp` (resumably) and write `<results_dir>/<name>.json`; return its path. `retrain` trains every run
+    again, whatever the runs directory and the JSON hold."""
     from ..bench import describe_machine
     from . import continual, measure
 
@@ -262,24 +332,45 @@ def run_experiment(exp: Experiment, results_dir: Path, runs_dir: Path, jobs: int
               "published": exp.published.to_dict() if exp.published.values else None,
               "baselines": dict(exp.baselines) or None,
               "heatmap": exp.heatmap.to_dict() if exp.heatmap.x else None}
+    path = results_dir / f"{exp.name}.json"
     if exp.kind == "train":
-        runs = expand(exp)
-        dirs = [runs_dir / exp.name / run.run_id for run in runs]
-        if not quiet:
-            print(f"{exp.name}: {len(runs)} training runs, {jobs} at a time, in {runs_dir / exp.name}", flush=True)
-        describe = functools.partial(describe_run, metric=exp.metric)
-        summaries = run_parallel(_train_or_error, list(zip([r.config for r in runs], dirs)),
-                                 [r.run_id for r in runs], jobs, describe, quiet)
-        body = train_results(exp, runs, summaries)
+        body = train_grid(exp, path, runs_dir, jobs, header, quiet, retrain)
     elif exp.kind == "continual":
         body = continual.continual_results(exp, runs_dir, jobs, quick, quiet)
     elif exp.kind == "capacity":
         body = measure.capacity_results(exp, runs_dir / exp.name, jobs, quiet)
     else:
         body = measure.efficiency_results(exp, runs_dir / exp.name, quiet)
-    path = results_dir / f"{exp.name}.json"
-    with staged_writes(path) as (partial,):  # a reader never sees half a file; a failed write leaves the last one
-        partial.write_text(json.dumps({**header, **body}, indent=1))
+    write_json(path, {**header, **body})
     if not quiet:
         print(f"wrote {path}", file=sys.stderr, flush=True)
     return path
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    with staged_writes(path) as (partial,):  # a reader never sees half a file; a failed write leaves the last one
+        partial.write_text(json.dumps(data, indent=1))
+
+
+def train_grid(exp: Experiment, path: Path, runs_dir: Path, jobs: int, header: dict[str, Any], quiet: bool,
+               retrain: bool) -> dict[str, Any]:
+    """Train the runs of `exp` that neither the results JSON at `path` nor the runs directory holds finished, writing
+    the JSON after each (the runs so far, the rest "pending"); return the JSON's body over the whole grid."""
+    runs = expand(exp)
+    done = {} if retrain else recorded_runs(path, exp, runs)
+    todo = [run for run in runs if run.run_id not in done]
+    if not quiet:
+        print(f"{exp.name}: {len(runs)} training runs ({len(done)} read back from {path}), {jobs} at a time, in "
+              f"{runs_dir / exp.name}", flush=True)
+
+    def finish(i: int, summary: dict[str, Any]) -> None:
+        done[todo[i].run_id] = {**summary, "machine": header["machine"]}
+        finished_runs = [run for run in runs if run.run_id in done]
+        pending = [run.run_id for run in runs if run.run_id not in done]
+        write_json(path, {**header, **train_results(exp, finished_runs, [done[r.run_id] for r in finished_runs]),
+                          **({"pending": pending} if pending else {})})
+
+    calls = [(run.config, runs_dir / exp.name / run.run_id, retrain) for run in todo]
+    run_parallel(_train_or_error, calls, [run.run_id for run in todo], jobs,
+                 functools.partial(describe_run, metric=exp.metric), quiet, on_result=finish)
+    return train_results(exp, runs, [done[run.run_id] for run in runs])
