@@ -227,7 +227,7 @@ def run_record(run: Run, summary: dict[str, Any], values: dict[str, float | None
 
 
 def _as_json(value: Any) -> Any:
-    return json.loads(json.dumps(value))
+    return json.loads(json.dumps(value, sort_keys=True))
 
 
 def recorded_runs(path: Path, exp: Experiment, runs: list[Run]) -> dict[str, dict[str, Any]]:
@@ -247,10 +247,13 @@ def recorded_runs(path: Path, exp: Experiment, runs: list[Run]) -> dict[str, dic
         record = records.get(run.run_id)
         if not isinstance(record, dict) or "error" in record or not isinstance(record.get("config"), dict):
             continue
-        config = {key: value for key, value in record["config"].items() if key != "time_budget_s"}
-        if config != _as_json(_without_budget(run.config)):
+        try:  # read as a config: a field added since, at its default, is the same run
+            saved = TrainConfig.from_dict(record["config"])
+        except ValueError:
             continue
-        if record["steps"] < run.config.steps and record["config"].get("time_budget_s") != run.config.time_budget_s:
+        if _as_json(_without_budget(saved)) != _as_json(_without_budget(run.config)):
+            continue
+        if record["steps"] < run.config.steps and saved.time_budget_s != run.config.time_budget_s:
             continue
         evaluation = record.get("evaluation") or evaluation_from_values(record["values"], run, exp)
         if evaluation is not None:
