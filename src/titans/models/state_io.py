@@ -90,6 +90,19 @@ def _unflatten(node: dict, tensors: dict[str, Tensor]) -> Any:
     raise ValueError(f"unreadable state node {sorted(node)}")
 
 
+def detached(state: Any) -> Any:
+    """`state` with every tensor detached from the graph that computed it, in the same nesting: a stream continued
+    from it sends no gradient into the past (truncated backpropagation through time)."""
+    if isinstance(state, Tensor):
+        return state.detach()
+    if dataclasses.is_dataclass(state) and not isinstance(state, type):
+        return dataclasses.replace(state, **{f.name: detached(getattr(state, f.name))
+                                            for f in dataclasses.fields(state) if f.init})
+    if isinstance(state, (list, tuple)):
+        return type(state)(detached(v) for v in state)
+    return state
+
+
 def save_state(state: Any, path: str | Path, config: Optional[Config] = None, overwrite: bool = False) -> None:
     """Write `state` (a model's recurrent state, or any nesting of the types above) to `path`; with the
     model's `config` (`model.config`), record it so that `load_state` can check the state belongs to it.

@@ -28,10 +28,13 @@ from safetensors import SafetensorError
 from safetensors.torch import load_model, save_model
 from torch import nn
 
+from ..models.state_io import load_state, save_state
 from .config import TrainConfig, load_train_config
 
 RUN_MARKER = ".titans-run"
 CHECKPOINT_FILES = ("model.safetensors", "trainer.pt", "config.yaml")  # what a checkpoint folder holds
+# ... and, in a run that carries its state across windows (`carry_windows`), the states its next step starts from
+CARRIED_FILE = "carried.safetensors"
 TRAINER_STATE_KEYS = ("step", "optimizer", "rng", "train_seconds", "skipped_steps")
 
 
@@ -96,8 +99,9 @@ def _write_synced(path: Path, write) -> None:
 
 
 def save_checkpoint(run_dir: Path, step: int, model: nn.Module, trainer_state: dict[str, Any],
-                    config: TrainConfig, keep: int = 2) -> Path:
-    """Write checkpoint `step` (unless it exists) and keep only the newest `keep` checkpoints."""
+                    config: TrainConfig, keep: int = 2, carried: Any = None) -> Path:
+    """Write checkpoint `step` (unless it exists) and keep only the newest `keep` checkpoints. `carried`: the
+    recurrent states the next step starts from (one per micro-batch), where the run carries them across windows."""
     root = checkpoint_dir(run_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:07d}"
@@ -110,11 +114,13 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, trainer_state: d
         _write_synced(weights, lambda p: save_model(model, str(p)))
         _write_synced(trainer, lambda p: torch.save(trainer_state, p))
         _write_synced(config_file, config.to_yaml)
+        if carried is not None:
+            _write_synced(tmp / CARRIED_FILE, lambda p: save_state(carried, p, overwrite=True))
         os.rename(tmp, final)
     for old in list_checkpoints(run_dir)[:-keep]:
         # Only what the checkpoint wrote: a file a user put there (an evaluation) stays, in a folder that is
         # no longer a checkpoint (it lacks the weights).
-        for name in CHECKPOINT_FILES:
+        for name in (*CHECKPOINT_FILES, CARRIED_FILE):
             (old / name).unlink(missing_ok=True)
         with contextlib.suppress(OSError):
             old.rmdir()
@@ -157,6 +163,13 @@ def load_weights(path: Path, model: nn.Module) -> None:
     if missing or unexpected:
         raise ValueError(f"checkpoint {path} does not match the model: missing {sorted(missing)[:3]}, "
                          f"unexpected {sorted(unexpected)[:3]}")
+
+
+def load_carried(path: Path, device: torch.device) -> Any:
+    """The carried states a checkpoint holds (`save_checkpoint`'s `carried`), on `device`; None where it holds
+    none (a step that starts fresh windows)."""
+    file = Path(path) / CARRIED_FILE
+    return load_state(file, str(device)) if file.is_file() else None
 
 
 def load_trainer_state(path: Path) -> dict[str, Any]:

@@ -77,6 +77,11 @@ class TrainConfig(Config):
     # token tasks: also the mean loss over each of this many equal spans of positions (does a later token cost
     # less?); 0: none
     eval_position_buckets: int = Field(0, ge=0)
+    # each batch row reads this many consecutive windows of one sequence (carry_windows x task.train_length), one
+    # window a step, the model's recurrent state carried from each window into the next and detached there
+    # (truncated backpropagation through time): training then meets memories older than one window, as a stream
+    # read past the training length does. 1: every step starts from a fresh state.
+    carry_windows: int = Field(1, ge=1)
     checkpoint_every: int = Field(100, ge=0)  # 0: only at the end (or when time_budget_s runs out)
     keep_checkpoints: int = Field(2, ge=1)  # newest checkpoints kept in run_dir/checkpoints
     log_every: int = Field(10, ge=1)

@@ -29,11 +29,13 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from ..models import ClassificationHead, ForecastHead, TitansEncoder, TitansLM
+from ..models.state_io import detached
 from ..tasks import IGNORE_INDEX, LabelBatch, Task, TokenBatch, bits_per_byte, exact_match, get_task, token_accuracy
 from ..tasks.base import Batch
 from .checkpoint import (
     check_run_dir,
     latest_checkpoint,
+    load_carried,
     load_checkpoint_config,
     load_trainer_state,
     load_weights,
@@ -192,20 +194,35 @@ def loss_terms(model: nn.Module, batch: Batch, device: torch.device,
     that many positions at a time (`streamed`). `precision`: the run's `dtype`; the forward pass runs in its autocast
     (`precision.autocast`), the loss in the parameters' dtype (float32 master weights under bf16)."""
     dtype = next(model.parameters()).dtype
-    inputs, targets = to_device(batch.inputs, device), to_device(batch.targets, device)
+    inputs = to_device(batch.inputs, device)
     if isinstance(batch, LabelBatch):
         with autocast(precision, device):
             logits = streamed_last(model, inputs.to(dtype), piece)
-        return F.cross_entropy(logits.to(dtype), targets, reduction="sum"), logits
-    if isinstance(batch, TokenBatch):
-        with autocast(precision, device):
-            outputs = streamed(model, inputs, piece)
-        total = F.cross_entropy(outputs.flatten(0, 1).to(dtype), targets.flatten(), ignore_index=IGNORE_INDEX,
-                                reduction="sum")
-        return total, outputs
+        return F.cross_entropy(logits.to(dtype), to_device(batch.targets, device), reduction="sum"), logits
     with autocast(precision, device):
-        outputs = streamed(model, inputs.to(dtype), piece)
-    return F.mse_loss(outputs.to(dtype), targets.to(dtype), reduction="sum"), outputs
+        outputs = streamed(model, inputs if isinstance(batch, TokenBatch) else inputs.to(dtype), piece)
+    return position_loss(outputs, batch, device, dtype), outputs
+
+
+def carried_loss_terms(model: nn.Module, batch: Batch, device: torch.device, state: Any,
+                       precision: str = "float32") -> tuple[Tensor, Any]:
+    """(`loss_terms`' sum of losses, the state the model ended in, detached) for a window read on from `state`:
+    one step of truncated backpropagation through time (`TrainConfig.carry_windows`)."""
+    dtype = next(model.parameters()).dtype
+    inputs = to_device(batch.inputs, device)
+    with autocast(precision, device):
+        outputs, end = model(inputs if isinstance(batch, TokenBatch) else inputs.to(dtype), state)
+    return position_loss(outputs, batch, device, dtype), detached(end)
+
+
+def position_loss(outputs: Tensor, batch: Batch, device: torch.device, dtype: torch.dtype) -> Tensor:
+    """The sum of the per-position losses of `outputs` over the batch's scored positions, in `dtype` (the
+    parameters': float32 master weights under bf16): cross-entropy for tokens, squared error for series."""
+    targets = to_device(batch.targets, device)
+    if isinstance(batch, TokenBatch):
+        return F.cross_entropy(outputs.flatten(0, 1).to(dtype), targets.flatten(), ignore_index=IGNORE_INDEX,
+                               reduction="sum")
+    return F.mse_loss(outputs.to(dtype), targets.to(dtype), reduction="sum")
 
 
 def position_ends(length: int, buckets: int) -> list[int]:
@@ -456,6 +473,9 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         self.task, self.eval_task = checked_tasks(cfg)
         self.model = build_model(cfg, self.task).to(self.device, parameter_dtype(cfg.dtype))
+        if cfg.carry_windows > 1 and isinstance(self.model, ClassificationHead):
+            raise ValueError(f"carry_windows ({cfg.carry_windows}) needs a task with a target per position; "
+                             f"{cfg.task.name} classifies whole series")
         self.train_model: nn.Module = self.model
         if self.distributed:
             device_ids = [self.device.index] if self.device.type == "cuda" else None
@@ -471,6 +491,10 @@ class Trainer:
         self.skipped_steps = 0  # optimiser steps skipped for a non-finite loss or gradient, in all
         self.skips_in_row = 0  # ... and since the last step taken
         self.saved_step: int | None = None
+        # carry_windows: the states the next step's micro-batches start from (None: fresh), and the sequences of the
+        # current block of windows (block index, one batch per micro-batch)
+        self.carried: list[Any] | None = None
+        self.block: tuple[int, list[Batch]] | None = None
         self.metrics = MetricsLog(self.run_dir, cfg.tensorboard) if self.rank == 0 else None
 
     # --------------------------------------------------------------------------------- checkpoints
@@ -488,7 +512,7 @@ class Trainer:
         self.read_steps()  # the skip counters go into the checkpoint
         if self.rank == 0:
             save_checkpoint(self.run_dir, self.step, self.model, self.state_dict(), self.cfg,
-                            keep=self.cfg.keep_checkpoints)
+                            keep=self.cfg.keep_checkpoints, carried=self.carried)
         self.saved_step = self.step
         if self.distributed:
             dist.barrier()
@@ -519,6 +543,7 @@ class Trainer:
         self.step, self.train_seconds = state["step"], state["train_seconds"]
         self.skipped_steps = state["skipped_steps"]
         self.skips_in_row = state.get("skips_in_row", 0)  # absent from checkpoints written before it was kept
+        self.carried = load_carried(path, self.device)
         self.saved_step = self.step
         if self.metrics is not None:
             self.metrics.truncate(self.step)
@@ -530,30 +555,29 @@ class Trainer:
         its numbers go to `unread` (read at once unless `defer_reads`)."""
         cfg = self.cfg
         accum = cfg.optim.grad_accum
-        micro_size = cfg.batch_size // accum
-        per_rank = micro_size // self.world
         lr = lr_at(self.step, cfg.optim, cfg.steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         # Dropout masks from (seed, step, rank): each DDP rank draws its own, and a step's masks do not depend on
         # what ran before it (a resumed or re-run step draws the same ones).
         torch.manual_seed(derive_seed(DROPOUT_STREAM, cfg.seed, self.step, self.rank))
-        batches = []
-        for m in range(accum):
-            first = m * micro_size + self.rank * per_rank
-            batches.append(sample_rows(self.task, range(first, first + per_rank), cfg.task.train_length,
-                                       TRAIN_STREAM, cfg.seed, self.step))
+        batches = self.step_batches()
         global_count = to_device(torch.tensor(float(sum(scored_positions(b) for b in batches))), self.device)
         if self.distributed:
             dist.all_reduce(global_count)
         scale = self.world / global_count.clamp_min(1)
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        ends: list[Any] = [None] * accum
         for m, batch in enumerate(batches):
             # gradients are all-reduced once, after the last micro-batch
             syncing = not self.distributed or m == accum - 1
             with contextlib.nullcontext() if syncing else self.train_model.no_sync():
-                batch_loss, _ = loss_terms(self.train_model, batch, self.device, precision=cfg.dtype)
+                if cfg.carry_windows == 1:
+                    batch_loss, _ = loss_terms(self.train_model, batch, self.device, precision=cfg.dtype)
+                else:
+                    batch_loss, ends[m] = carried_loss_terms(self.train_model, batch, self.device,
+                                                             self.carried[m] if self.carried else None, cfg.dtype)
                 (batch_loss * scale).backward()
             loss_sum += batch_loss.detach()
         if self.distributed:
@@ -569,8 +593,28 @@ class Trainer:
         elif finite.item():
             self.optimizer.step()
         self.unread.append((self.step + 1, lr, torch.stack([loss, grad_norm.to(loss.dtype)]).detach()))
+        # the next step reads on from where this one ended, unless it starts a new block of windows
+        self.carried = ends if (self.step + 1) % cfg.carry_windows else None
         if not self.defer_reads:
             self.read_steps()
+
+    def step_batches(self) -> list[Batch]:
+        """This rank's micro-batches of the current step. Row i of a step's global batch is drawn from (seed, step,
+        i); with `carry_windows` = N, from (seed, block, i) at N times the training length, the step taking window
+        `step % N` of block `step // N` (N = 1: the same draws as without)."""
+        cfg = self.cfg
+        micro_size = cfg.batch_size // cfg.optim.grad_accum
+        per_rank = micro_size // self.world
+        block, window = divmod(self.step, cfg.carry_windows)
+        if self.block is None or self.block[0] != block:
+            drawn = [sample_rows(self.task, range(first, first + per_rank), cfg.carry_windows * cfg.task.train_length,
+                                 TRAIN_STREAM, cfg.seed, block)
+                     for first in (m * micro_size + self.rank * per_rank for m in range(cfg.optim.grad_accum))]
+            self.block = block, drawn
+        if cfg.carry_windows == 1:
+            return self.block[1]
+        span = slice(window * cfg.task.train_length, (window + 1) * cfg.task.train_length)
+        return [type(b)(*(t[:, span] for t in b)) for b in self.block[1]]
 
     def read_steps(self) -> list[StepRead]:
         """Read the steps not read yet (one host sync for all) and account for their skips in step order: the steps
