@@ -61,6 +61,32 @@ def test_the_carried_state_takes_no_gradient_into_the_past(tiny_config, tmp_path
     assert trainer.carried is None  # the block of two windows is done: the next step starts fresh
 
 
+def test_a_skipped_step_does_not_pass_its_state_on(tiny_config, tmp_path, monkeypatch):
+    """A window whose loss is not finite is skipped, counted, and the next window starts from a fresh state rather
+    than from what made it non-finite."""
+    import titans.train.loop as loop
+
+    real = loop.carried_loss_terms
+
+    def poisoned_once(model, batch, device, state, precision):
+        loss, end = real(model, batch, device, state, precision)
+        if not calls:
+            loss, end = loss * float("nan"), [torch.full_like(t, float("nan")) for t in _tensors(end)]
+        calls.append(state)
+        return loss, end
+
+    calls = []
+    monkeypatch.setattr(loop, "carried_loss_terms", poisoned_once)
+    (tmp_path / "run").mkdir()  # the skip is logged there
+    trainer = Trainer(load_train_config(tiny_config, [*LM, "carry_windows=3"]), tmp_path / "run", quiet=True)
+    trainer.train_step()
+    trainer.step += 1
+    assert trainer.skipped_steps == 1 and trainer.carried is None
+    trainer.train_step()
+    trainer.step += 1
+    assert calls[1] is None and trainer.skipped_steps == 1 and trainer.carried is not None
+
+
 def _tensors(node):
     if isinstance(node, torch.Tensor):
         yield node

@@ -593,8 +593,10 @@ class Trainer:
         elif finite.item():
             self.optimizer.step()
         self.unread.append((self.step + 1, lr, torch.stack([loss, grad_norm.to(loss.dtype)]).detach()))
-        # the next step reads on from where this one ended, unless it starts a new block of windows
-        self.carried = ends if (self.step + 1) % cfg.carry_windows else None
+        # The next step reads on from where this one ended, unless it starts a new block of windows or this step was
+        # skipped: the state may hold what made it non-finite (on a GPU the check is a host sync, in carried runs only).
+        reads_on = (self.step + 1) % cfg.carry_windows != 0
+        self.carried = ends if reads_on and bool(finite) else None
         if not self.defer_reads:
             self.read_steps()
 
