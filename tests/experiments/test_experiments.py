@@ -388,7 +388,8 @@ def test_runs_the_time_budget_stopped_short_are_named(quick_results, tmp_path):
 def test_report_prints_accuracies_to_two_decimals_and_losses_to_three_digits():
     assert (fmt(0.8125, "accuracy"), fmt(0.5, "token_accuracy")) == ("0.81", "0.50")
     assert (fmt(0.034282, "loss"), fmt(0.029310, "loss")) == ("0.0343", "0.0293")  # not both "0.03"
-    assert fmt(1.8712, "bits_per_byte") == "1.87"
+    assert (fmt(2.4849, "bits_per_byte"), fmt(2.4951, "bits_per_byte")) == ("2.485", "2.495")  # not 2.48 and 2.5
+    assert (fmt(1.8712, "loss"), fmt(64.0, "capacity")) == ("1.87", "64")
     assert (fmt(12345.6, "tokens_per_s"), fmt(None, "loss")) == ("12,346", "failed")
 
 
