@@ -313,6 +313,8 @@ def experiment_run(
     retrain: bool = typer.Option(False, help="Train every run again, even those the results JSON or the runs "
                                              "directory holds finished (after a change to the model's code, which "
                                              "no config shows)."),
+    only: str | None = typer.Option(None, help="Train these rows only (comma-separated labels, e.g. 'lmm,lmm alpha "
+                                               "1e-2'); the rest stay as the JSON has them, or pending."),
 ) -> None:
     """Run an experiment's grid (resumable: finished runs are read back from the runs directory or from the results
     JSON, killed ones continue) and write its JSON after every finished run (its path is the last line)."""
@@ -321,8 +323,11 @@ def experiment_run(
     exp = load_experiment(name, quick=quick)
     default_root = Path("runs/experiments-quick") if quick else Path("runs/experiments")
     results_dir = results_dir or (default_root / "results" if quick else Path("docs/results"))
+    rows = [row.strip() for row in only.split(",") if row.strip()] if only is not None else None
+    if rows is not None and exp.kind != "train":
+        raise ValueError(f"--only picks rows of a training grid; {exp.name} is a {exp.kind} experiment")
     typer.echo(str(run_experiment(exp, results_dir, runs_dir or default_root, jobs, quick=quick, quiet=quiet,
-                                   retrain=retrain)))
+                                   retrain=retrain, only=rows)))
 
 
 @experiment_app.command("report")

@@ -271,6 +271,26 @@ def test_retrain_trains_every_run_again(quick_results, tmp_path, monkeypatch):
     assert len(calls) == len(expand(exp)) and all(call["force"] and not call["resume"] for call in calls)
 
 
+
+def test_only_some_rows_train_and_the_rest_stay_pending_or_as_recorded(quick_results, tmp_path, monkeypatch):
+    """`only` trains the runs of the rows named: in an empty results dir the rest are pending; over a full JSON with
+    `retrain`, those rows train again and the others are read back; an unknown row is an error naming the rows."""
+    results_dir, runs_dir = quick_results
+    exp = load_experiment("niah", quick=True, folder=FOLDER)
+    rows = list(dict.fromkeys(run.model for run in expand(exp)))
+    mine = [run.run_id for run in expand(exp) if run.model == rows[0]]
+    calls = spy_on_train(monkeypatch)
+    first = json.loads(run_experiment(exp, tmp_path / "empty", runs_dir, jobs=1, quick=True, quiet=True,
+                                      only=[rows[0]]).read_text())
+    assert set(first["runs"]) == set(mine) and len(first["pending"]) == len(expand(exp)) - len(mine)
+    assert calls == []  # the runs directory held them finished
+    clone = fresh_clone_of(results_dir, "niah", tmp_path)
+    after = json.loads(run_experiment(exp, clone, tmp_path / "runs", jobs=1, quick=True, quiet=True, retrain=True,
+                                      only=[rows[0]]).read_text())
+    assert len(calls) == len(mine) and "pending" not in after and set(after["runs"]) == {r.run_id for r in expand(exp)}
+    with pytest.raises(ValueError, match=r"has no rows \['nope'\]; its rows are"):
+        run_experiment(exp, clone, tmp_path / "runs", jobs=1, quick=True, quiet=True, only=["nope"])
+
 def test_an_incomplete_grid_and_runs_from_several_machines_are_said_in_the_report(quick_results, tmp_path):
     from titans.experiments.report import headline, section
 
@@ -440,6 +460,10 @@ def test_cli_lists_runs_and_reports(quick_results, tmp_path):
     assert listed.exit_code == 0 and all(name in listed.output for name in ISSUE_EXPERIMENTS)
     bad = runner.invoke(app, ["experiment", "run", "no-such-experiment"])
     assert bad.exit_code == 2 and "no experiment" in bad.output
+    rows = runner.invoke(app, ["experiment", "run", "capacity", "--quick", "--only", "lmm", "--results-dir",
+                               str(tmp_path / "untouched")])
+    assert rows.exit_code == 2 and "--only picks rows of a training grid" in rows.output
+    assert not (tmp_path / "untouched").exists()
     results_dir, _ = quick_results
     report = runner.invoke(app, ["experiment", "report", "--results-dir", str(results_dir),
                                  "--out", str(tmp_path / "R.md"), "--no-update-readme"])

@@ -319,9 +319,11 @@ def default_jobs() -> int:
 
 
 def run_experiment(exp: Experiment, results_dir: Path, runs_dir: Path, jobs: int | None = None,
-                   quick: bool = False, quiet: bool = False, retrain: bool = False) -> Path:
+                   quick: bool = False, quiet: bool = False, retrain: bool = False,
+                   only: list[str] | None = None) -> Path:
     """Run `exp` (resumably) and write `<results_dir>/<name>.json`; return its path. `retrain` trains every run
-    again, whatever the runs directory and the JSON hold."""
+    again, whatever the runs directory and the JSON hold; `only` (the rows of a train experiment) trains those rows'
+    runs alone, the others staying as the JSON has them or pending."""
     from ..bench import describe_machine
     from . import continual, measure
 
@@ -337,7 +339,7 @@ def run_experiment(exp: Experiment, results_dir: Path, runs_dir: Path, jobs: int
               "heatmap": exp.heatmap.to_dict() if exp.heatmap.x else None}
     path = results_dir / f"{exp.name}.json"
     if exp.kind == "train":
-        body = train_grid(exp, path, runs_dir, jobs, header, quiet, retrain)
+        body = train_grid(exp, path, runs_dir, jobs, header, quiet, retrain, only)
     elif exp.kind == "continual":
         body = continual.continual_results(exp, runs_dir, jobs, quick, quiet)
     elif exp.kind == "capacity":
@@ -356,24 +358,34 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
 
 
 def train_grid(exp: Experiment, path: Path, runs_dir: Path, jobs: int, header: dict[str, Any], quiet: bool,
-               retrain: bool) -> dict[str, Any]:
-    """Train the runs of `exp` that neither the results JSON at `path` nor the runs directory holds finished, writing
-    the JSON after each (the runs so far, the rest "pending"); return the JSON's body over the whole grid."""
+               retrain: bool, only: list[str] | None = None) -> dict[str, Any]:
+    """Train the runs of `exp` (of its rows `only`, where given) that neither the results JSON at `path` nor the runs
+    directory holds finished, writing the JSON after each (the runs so far, the rest "pending"); return the JSON's
+    body."""
     runs = expand(exp)
-    done = {} if retrain else recorded_runs(path, exp, runs)
-    todo = [run for run in runs if run.run_id not in done]
+    rows = list(dict.fromkeys(run.model for run in runs))
+    unknown = sorted(set(only or ()) - set(rows))
+    if unknown:
+        raise ValueError(f"experiment {exp.name} has no rows {unknown}; its rows are {rows}")
+    chosen = {run.run_id for run in runs if only is None or run.model in only}
+    done = {run_id: summary for run_id, summary in recorded_runs(path, exp, runs).items()
+            if not (retrain and run_id in chosen)}
+    todo = [run for run in runs if run.run_id in chosen and run.run_id not in done]
     if not quiet:
-        print(f"{exp.name}: {len(runs)} training runs ({len(done)} read back from {path}), {jobs} at a time, in "
-              f"{runs_dir / exp.name}", flush=True)
+        print(f"{exp.name}: {len(runs)} training runs ({len(done)} read back from {path}; {len(todo)} to train), "
+              f"{jobs} at a time, in {runs_dir / exp.name}", flush=True)
+
+    def body() -> dict[str, Any]:
+        finished_runs = [run for run in runs if run.run_id in done]
+        pending = [run.run_id for run in runs if run.run_id not in done]
+        return {**train_results(exp, finished_runs, [done[r.run_id] for r in finished_runs]),
+                **({"pending": pending} if pending else {})}
 
     def finish(i: int, summary: dict[str, Any]) -> None:
         done[todo[i].run_id] = {**summary, "machine": header["machine"]}
-        finished_runs = [run for run in runs if run.run_id in done]
-        pending = [run.run_id for run in runs if run.run_id not in done]
-        write_json(path, {**header, **train_results(exp, finished_runs, [done[r.run_id] for r in finished_runs]),
-                          **({"pending": pending} if pending else {})})
+        write_json(path, {**header, **body()})
 
     calls = [(run.config, runs_dir / exp.name / run.run_id, retrain) for run in todo]
     run_parallel(_train_or_error, calls, [run.run_id for run in todo], jobs,
                  functools.partial(describe_run, metric=exp.metric), quiet, on_result=finish)
-    return train_results(exp, runs, [done[run.run_id] for run in runs])
+    return body()
