@@ -226,7 +226,8 @@ def test_a_config_refused_for_several_fields_names_each_on_its_own_line(tmp_path
         "error: optim.lr: expected a finite number, got nan",
         "error: stepz: unknown field for TrainConfig; valid fields: batch_size, carry_windows, checkpoint_every, "
         "compile, device, dtype, eval_batch_size, eval_batches, eval_every, eval_piece, eval_position_buckets, "
-        "keep_checkpoints, log_every, max_skips_in_row, model, name, optim, seed, steps, task, tensorboard, threads, time_budget_s",
+        "keep_checkpoints, log_every, max_skips_in_row, model, name, optim, seed, steps, task, tensorboard, threads, "
+        "time_budget_s",
     ]
     assert not (tmp_path / "runs").exists()
 
