@@ -73,7 +73,7 @@ def test_ablation_rows_keep_their_models_parameters():
         assert len(rest) >= 9 and max(rest) / counts[variant] < 1.02 and min(rest) / counts[variant] > 0.98, rest
     assert depths[-1] == counts["mac depth4"] > 1.5 * counts["mac"]  # the deep memory's hidden layers are big
     niah = load_experiment("ablations_niah", folder=FOLDER)
-    assert niah.models == exp.models and niah.metric == "accuracy" and exp.metric == "bits_per_byte"
+    assert niah.models == exp.models and niah.metric == "token_accuracy" and exp.metric == "bits_per_byte"
     assert niah.eval_multiples == exp.eval_multiples == [1, 4]
 
 
