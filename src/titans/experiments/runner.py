@@ -226,10 +226,6 @@ def run_record(run: Run, summary: dict[str, Any], values: dict[str, float | None
                 "evaluation": summary["results"]})}
 
 
-def _as_json(value: Any) -> Any:
-    return json.loads(json.dumps(value, sort_keys=True))
-
-
 def recorded_runs(path: Path, exp: Experiment, runs: list[Run]) -> dict[str, dict[str, Any]]:
     """{run id: its eval.json summary} for the runs of `runs` that the results JSON at `path` records finished with
     exactly their config (up to the time budget, as `finished` reads a run directory), so that they are not trained
@@ -251,7 +247,7 @@ def recorded_runs(path: Path, exp: Experiment, runs: list[Run]) -> dict[str, dic
             saved = TrainConfig.from_dict(record["config"])
         except ValueError:
             continue
-        if _as_json(_without_budget(saved)) != _as_json(_without_budget(run.config)):
+        if _without_budget(saved) != _without_budget(run.config):  # as `_run_of` compares a run directory's
             continue
         if record["steps"] < run.config.steps and saved.time_budget_s != run.config.time_budget_s:
             continue

@@ -115,7 +115,7 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, trainer_state: d
         _write_synced(trainer, lambda p: torch.save(trainer_state, p))
         _write_synced(config_file, config.to_yaml)
         if carried is not None:
-            _write_synced(tmp / CARRIED_FILE, lambda p: save_state(carried, p, overwrite=True))
+            _write_synced(tmp / CARRIED_FILE, lambda p: save_state(carried, p))
         os.rename(tmp, final)
     for old in list_checkpoints(run_dir)[:-keep]:
         # Only what the checkpoint wrote: a file a user put there (an evaluation) stays, in a folder that is
