@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .memory import NeuralMemory
-from .models.config import TitansConfig
+from .models.config import TitansConfig, with_earlier_defaults
 from .models.lm import State, TitansLM, check_tokens
 from .models.pretrained import FORMAT_VERSION, MODEL_TYPE, section_to_config
 
@@ -55,7 +55,9 @@ class TitansHFConfig(PretrainedConfig):
         fields = {name: kwargs.pop(name) for name in list(kwargs) if name in TitansConfig.model_fields}
         for derived in ("tie_word_embeddings", "model_type"):  # answered from the section (a saved file has them)
             kwargs.pop(derived, None)
-        config = section_to_config({**(titans or {}), **fields}, titans_format_version, "titans config")
+        # a saved section lacking a field whose default changed was written under the earlier one
+        saved = with_earlier_defaults(titans) if isinstance(titans, dict) else {}
+        config = section_to_config({**saved, **fields}, titans_format_version, "titans config")
         super().__init__(**kwargs)
         # Read in any version this library knows, the section is complete now: it is written in the current one.
         self.titans = config.to_dict()

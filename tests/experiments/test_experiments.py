@@ -239,6 +239,72 @@ def test_a_run_whose_config_changed_or_failed_is_trained_again_and_the_rest_read
     assert "error" not in after["runs"][failed] and set(after["runs"]) == {run.run_id for run in expand(exp)}
 
 
+def test_a_run_is_read_back_from_any_record_of_its_config(quick_results, tmp_path, monkeypatch):
+    """The config, not the row's name, is what a run is: a row renamed (or a default changed, so that one row's
+    config is now another's) reads its runs back from the records of that config; a run's own record comes first,
+    and a record of another config is never read."""
+    results_dir, _ = quick_results
+    exp = load_experiment("niah", quick=True, folder=FOLDER)
+    first, second = [run.run_id for run in expand(exp)][:2]
+
+    def rename(data):
+        data["runs"]["old-name-" + first] = data["runs"].pop(first)
+        data["runs"]["other-config"] = {**data["runs"][second], "values": {"x": 0.5}}  # a config of another run
+        data["runs"]["other-config"]["config"] = {**data["runs"][second]["config"], "seed": 99}
+
+    before = json.loads((results_dir / "niah.json").read_text())
+    clone = fresh_clone_of(results_dir, "niah", tmp_path, rename)
+    calls = spy_on_train(monkeypatch)
+    after = json.loads(run_experiment(exp, clone, tmp_path / "runs", jobs=1, quick=True, quiet=True).read_text())
+    assert calls == [] and "pending" not in after
+    assert set(after["runs"]) == {run.run_id for run in expand(exp)}  # filed under the grid's names
+    assert after["runs"][first]["values"] == before["runs"][first]["values"]
+    assert after["runs"][second]["values"] == before["runs"][second]["values"]
+
+    def one_config_twice(data):  # two records of one config: the run's own is read
+        data["runs"]["twin"] = {**data["runs"][first], "values": {"x": 0.5}, "evaluation": {"256": {"x": 0.5}}}
+
+    (tmp_path / "twice").mkdir()
+    clone = fresh_clone_of(results_dir, "niah", tmp_path / "twice", one_config_twice)
+    after = json.loads(run_experiment(exp, clone, tmp_path / "runs", jobs=1, quick=True, quiet=True).read_text())
+    assert calls == [] and after["runs"][first]["values"] == before["runs"][first]["values"]
+
+
+def test_runs_of_an_earlier_config_are_shown_marked_stale_until_trained_again(quick_results, tmp_path, monkeypatch):
+    """After a default or the grid changed, `--no-train` rewrites the JSON without training: a run recorded under
+    the earlier config keeps its values and its config as trained, is pending and listed stale with the fields that
+    changed, and the report says so; training it again clears the mark."""
+    from titans.experiments.report import headline, section
+
+    results_dir, _ = quick_results
+    exp = load_experiment("niah", quick=True, folder=FOLDER)
+    changed = expand(exp)[0].run_id
+
+    def edit(data):  # a record from before the field existed: it trained with the residual, the earlier default
+        del data["runs"][changed]["config"]["model"]["memory_residual"]
+
+    before = json.loads((results_dir / "niah.json").read_text())
+    clone = fresh_clone_of(results_dir, "niah", tmp_path, edit)
+    calls = spy_on_train(monkeypatch)
+    result = CliRunner().invoke(app, ["experiment", "run", "niah", "--quick", "--no-train", "--results-dir",
+                                      str(clone), "--runs-dir", str(tmp_path / "runs"), "--quiet"])
+    assert result.exit_code == 0 and calls == []
+    data = json.loads((clone / "niah.json").read_text())
+    assert data["pending"] == [changed] and set(data["runs"]) == set(before["runs"])
+    assert data["stale"] == {changed: ["model.memory_residual: true → false"]}
+    assert "memory_residual" not in data["runs"][changed]["config"]["model"]  # the config as recorded
+    assert data["runs"][changed]["values"] == before["runs"][changed]["values"]
+    assert data["results"] == before["results"]
+    total = len(before["runs"])
+    text = section(data, clone / "niah.json", clone / "niah.png", clone)
+    assert f"**Incomplete**: {total - 1} of {total} runs finished; 1 more are shown as trained under an earlier " \
+           "config" in text and "model.memory_residual: true → false (1 runs)" in text
+    assert "shown from an earlier config" in headline(data, "RESULTS.md", "niah.png")
+    after = json.loads(run_experiment(exp, clone, tmp_path / "runs", jobs=1, quick=True, quiet=True).read_text())
+    assert len(calls) == 1 and "stale" not in after and "pending" not in after
+    assert after["runs"][changed]["config"]["model"]["memory_residual"] is False
+
+
 def test_a_new_seed_trains_the_new_runs_only_and_the_json_follows_each_run(quick_results, tmp_path, monkeypatch):
     """Adding a seed trains the new seed's runs; the JSON is rewritten after each finished run, the runs not yet
     finished under "pending", so a killed grid keeps what it finished in the JSON."""
@@ -462,7 +528,7 @@ def test_cli_lists_runs_and_reports(quick_results, tmp_path):
     assert bad.exit_code == 2 and "no experiment" in bad.output
     rows = runner.invoke(app, ["experiment", "run", "capacity", "--quick", "--only", "lmm", "--results-dir",
                                str(tmp_path / "untouched")])
-    assert rows.exit_code == 2 and "--only picks rows of a training grid" in rows.output
+    assert rows.exit_code == 2 and "--only is for a training grid" in rows.output
     assert not (tmp_path / "untouched").exists()
     results_dir, _ = quick_results
     report = runner.invoke(app, ["experiment", "report", "--results-dir", str(results_dir),
@@ -605,3 +671,19 @@ def test_continual_measures_the_lm_runs_and_reads_them_back(quick_results, tmp_p
     again = run_experiment(load_experiment("continual", quick=True, folder=FOLDER), tmp_path, runs_dir, jobs=1,
                            quick=True, quiet=True)
     assert json.loads(again.read_text())["results"] == data["results"]
+
+
+def test_a_task_that_cannot_be_built_stops_the_grid_before_it_writes(tmp_path, monkeypatch):
+    """Missing data (here a weather folder that does not exist; an optional extra not installed fails the same way)
+    is an error naming it before any run trains, and the committed JSON is left as it was, not overwritten with one
+    failed run per grid point."""
+    exp = load_experiment("wind", quick=True, folder=FOLDER)
+    missing = str(tmp_path / "no-such-folder")
+    exp = exp.replace(tasks={name: {**axis.to_dict(), "options": {**axis.options, "weather_root": missing}}
+                             for name, axis in exp.tasks.items()})
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "wind.json").write_text('{"kept": true}')
+    calls = spy_on_train(monkeypatch)
+    with pytest.raises(ValueError, match="no-such-folder"):
+        run_experiment(exp, tmp_path / "results", tmp_path / "runs", jobs=1, quick=True, quiet=True)
+    assert calls == [] and (tmp_path / "results" / "wind.json").read_text() == '{"kept": true}'

@@ -100,7 +100,7 @@ def test_chunk_size_one_is_the_plain_recurrence():
         S = eta[:, :, t, None, None] * S - theta[:, :, t, None, None] * grad
         W = (1 - alpha[:, :, t, None, None]) * W + S
         ys.append(q[:, :, t : t + 1] + q[:, :, t : t + 1] @ W)
-    y, W_p, S_p = parallel_memory(q, k, v, theta, eta, alpha, weights, momentum, chunk_size=1)
+    y, W_p, S_p = parallel_memory(q, k, v, theta, eta, alpha, weights, momentum, chunk_size=1, residual=True)
     assert max_diff([y, W_p[0], S_p[0]], [torch.cat(ys, 2), W, S]) <= 1e-12
 
 

@@ -1,6 +1,8 @@
 """Every variant: causality, streaming in pieces, cached generation, bounded state, parameter parity,
 save/load, bad configs. Tiny models in float64 so equalities can be tight."""
 
+import json
+
 import pytest
 import torch
 
@@ -9,6 +11,7 @@ from titans.layers import states_trusted, trusted_states
 from titans.layers.attention import reference_window_attention
 from titans.memory import NeuralMemory
 from titans.models import VARIANTS, load_state, sample_next, save_state
+from titans.models.config import UNREAD_FIELDS
 from titans.models.state_io import _flatten
 
 DT = torch.float64
@@ -229,7 +232,7 @@ def test_baseline_memories_are_configs_of_the_same_layer():
     assert gated.surprise_gate and gated.surprise_weight is not None
 
 
-ABLATION_SWITCHES = dict(memory_depth=1, memory_residual=False, momentum=False, memory_forgetting=False,
+ABLATION_SWITCHES = dict(memory_depth=1, memory_residual=True, momentum=False, memory_forgetting=False,
                          memory_gates="constant", memory_forgetting_channels=True)
 
 
@@ -242,12 +245,45 @@ def test_ablation_switches_reach_every_titans_memory(name):
     assert len(memories) == 2
     for memory in memories:
         assert (memory.depth, memory.residual, memory.use_momentum, memory.forgetting, memory.gates,
-                memory.forgetting_channels) == (1, False, False, False, "constant", True)
+                memory.forgetting_channels) == (1, True, False, False, "constant", True)
         assert memory.to_gates is None
     gdn = tiny_model("gated_deltanet", **ABLATION_SWITCHES).backbone.blocks[0].mixer
     assert (gdn.forgetting, gdn.gates, gdn.forgetting_channels) == (True, "data", False)
     stepped = tiny_model(name, memory_hidden_step=0.25)
     assert {m.hidden_step for m in stepped.modules() if isinstance(m, NeuralMemory)} == {0.25}
+
+
+def test_the_memory_is_the_papers_mlp_by_default():
+    """M(k) = W_2 σ(k W_1), no residual k + (DESIGN.md §0), in the config and in the layer alike."""
+    assert TitansConfig().memory_residual is False and NeuralMemory(16).residual is False
+    assert {m.residual for m in tiny_model("lmm").modules() if isinstance(m, NeuralMemory)} == {False}
+
+
+@pytest.mark.parametrize("variant", sorted(UNREAD_FIELDS))
+def test_a_field_a_variant_does_not_read_changes_nothing(variant):
+    """UNREAD_FIELDS, which lets the experiment runner read one variant's runs back across them, is true: flipping
+    such a field builds the same weights and the same outputs."""
+    x = tokens(2, 13)
+    for field in UNREAD_FIELDS[variant]:
+        flipped = tiny_model(variant, **{field: not getattr(TitansConfig(**TINY), field)})
+        same = tiny_model(variant)
+        assert flipped.state_dict().keys() == same.state_dict().keys()
+        assert all(torch.equal(v, same.state_dict()[k]) for k, v in flipped.state_dict().items())
+        assert torch.equal(flipped(x)[0], same(x)[0])
+
+
+def test_a_saved_model_from_before_a_default_changed_loads_as_it_was_trained(tmp_path):
+    """A config.json written before `memory_residual` existed lacks it: its model had the residual (the default
+    then), so it loads with it, not with today's default (EARLIER_DEFAULTS)."""
+    model = tiny_model("lmm", memory_residual=True)
+    model.save_pretrained(tmp_path / "m")
+    path = tmp_path / "m" / "config.json"
+    data = json.loads(path.read_text())
+    del data["titans"]["memory_residual"]
+    path.write_text(json.dumps(data))
+    again = TitansLM.from_pretrained(tmp_path / "m")
+    x = tokens(1, 12)
+    assert again.config.memory_residual is True and torch.equal(again(x)[0], model(x)[0])
 
 
 def test_save_and_load_pretrained(tmp_path):

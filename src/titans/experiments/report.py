@@ -313,8 +313,12 @@ def section(data: dict[str, Any], json_path: Path, plot_path: Path, relative_to:
              + (f" ({data['tier']} tier)" if data.get("tier") == "quick" else "") + f"; {data.get('machine', '')}"
              + (f"; seeds {', '.join(map(str, seeds))} (mean, range in brackets)" if len(seeds) > 1 else ""), ""]
     if data.get("pending"):
-        parts += [f"**Incomplete**: {partial_text(data)}; the empty cells are runs still to come, and "
-                  f"`{data.get('command', '')}` continues the grid.", ""]
+        stale = data.get("stale", {})
+        waiting = "the empty cells are runs still to come" if len(stale) < len(data["pending"]) else ""
+        shown = (f"{len(stale)} more are shown as trained under an earlier config, until they are trained again "
+                 f"(what the grid has changed since: {'; '.join(stale_changes(data))})") if stale else ""
+        parts += [f"**Incomplete**: {partial_text(data)}; " + "; ".join(filter(None, (waiting, shown)))
+                  + f"; `{data.get('command', '')}` continues the grid.", ""]
     machines = machines_of(data)
     if len(machines) > 1:
         parts += ["The runs were trained on several machines (their seconds are not comparable across them): "
@@ -345,8 +349,18 @@ def section(data: dict[str, Any], json_path: Path, plot_path: Path, relative_to:
 
 
 def partial_text(data: dict[str, Any]) -> str:
-    finished = len(data["runs"])
+    """'N of M runs finished' under the grid's config (a stale run, shown from an earlier config, is not)."""
+    finished = len(data["runs"]) - len(data.get("stale", {}))
     return f"{finished} of {finished + len(data['pending'])} runs finished"
+
+
+def stale_changes(data: dict[str, Any]) -> list[str]:
+    """The config changes behind the stale runs, each once, with how many runs it concerns."""
+    count: dict[str, int] = {}
+    for changes in data.get("stale", {}).values():
+        for change in changes:
+            count[change] = count.get(change, 0) + 1
+    return [f"{change} ({n} runs)" for change, n in count.items()]
 
 
 def machines_of(data: dict[str, Any]) -> dict[str, int]:
@@ -377,6 +391,7 @@ def headline(data: dict[str, Any], results_md: str, plot_path: str) -> str:
     title = data.get("title", data["experiment"])
     anchor = "".join(c for c in title.lower().replace(" ", "-") if c.isalnum() or c in "-_")
     where += f"; incomplete, {partial_text(data)}" if data.get("pending") else ""
+    where += f", {len(data['stale'])} shown from an earlier config" if data.get("stale") else ""
     return "\n".join([f"**{title}** ({data['metric']} at {where}; "
                       f"`{data.get('command', '')}`; [details]({results_md}#{anchor}), [plot]({plot_path}))", "",
                       panel_table(data, chosen, labels, [panel_better(data, p) for _, p, _ in columns]), ""])

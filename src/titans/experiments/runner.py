@@ -40,19 +40,30 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
+from ..models.config import UNREAD_FIELDS
 from ..models.state_io import staged_writes
-from ..train.config import TrainConfig
+from ..train.config import TrainConfig, saved_train_dict
+from ..train.loop import checked_tasks
 from .spec import Experiment, Run, expand
 
 
-def _without_budget(cfg: TrainConfig) -> dict[str, Any]:
-    return {key: value for key, value in cfg.to_dict().items() if key != "time_budget_s"}
+def _identity(cfg: TrainConfig) -> dict[str, Any]:
+    """What makes two configs the same run: everything but the time budget, which limits a run without being one of
+    its settings, the name, which labels it (the directory and the row it is filed under), and the model's fields
+    that its variant never reads (`UNREAD_FIELDS`)."""
+    identity = {key: value for key, value in cfg.to_dict().items() if key not in ("time_budget_s", "name")}
+    unread = UNREAD_FIELDS.get(cfg.model.variant, frozenset())
+    identity["model"] = {key: value for key, value in identity["model"].items() if key not in unread}
+    return identity
+
+
+def _identity_key(cfg: TrainConfig) -> str:
+    return json.dumps(_identity(cfg), sort_keys=True)
 
 
 def _run_of(cfg: TrainConfig, run_dir: Path) -> tuple[TrainConfig, dict[str, Any] | None] | None:
     """(the saved config, its eval.json or None while unfinished) where `run_dir` holds a run of `cfg`, else None.
-    A run of `cfg` has the same config up to the time budget, which limits a run without being one of its settings (a
-    run that met its steps under one budget is the run of any other)."""
+    A run of `cfg` has the same `_identity` (a run that met its steps under one budget is the run of any other)."""
     from ..train.checkpoint import load_checkpoint_config
 
     if not (run_dir / "config.yaml").is_file():
@@ -61,7 +72,7 @@ def _run_of(cfg: TrainConfig, run_dir: Path) -> tuple[TrainConfig, dict[str, Any
         saved = load_checkpoint_config(run_dir)
     except ValueError:
         return None
-    if _without_budget(saved) != _without_budget(cfg):
+    if _identity(saved) != _identity(cfg):
         return None
     result = run_dir / "eval.json"
     return saved, json.loads(result.read_text()) if result.is_file() else None
@@ -228,9 +239,11 @@ def run_record(run: Run, summary: dict[str, Any], values: dict[str, float | None
 
 def recorded_runs(path: Path, exp: Experiment, runs: list[Run]) -> dict[str, dict[str, Any]]:
     """{run id: its eval.json summary} for the runs of `runs` that the results JSON at `path` records finished with
-    exactly their config (up to the time budget, as `finished` reads a run directory), so that they are not trained
-    again. A record cut short by a time budget other than the grid's is not read back (it would train on); nor is one
-    that failed. A record from before records kept their evaluation is rebuilt from its values."""
+    exactly their config (their `_identity`, as `finished` reads a run directory), so that they are not trained
+    again. A run is read back from its own record or, failing that, from any record of the same config: a row
+    renamed, or a default changed so that one row's config is now another's, reuses the measurement. A record cut
+    short by a time budget other than the grid's is not read back (it would train on); nor is one that failed. A
+    record from before records kept their evaluation is rebuilt from its values."""
     if not path.is_file():
         return {}
     try:
@@ -238,26 +251,77 @@ def recorded_runs(path: Path, exp: Experiment, runs: list[Run]) -> dict[str, dic
         records, machine = data["runs"], data.get("machine")
     except (ValueError, KeyError, TypeError):
         return {}  # not a results JSON: `titans experiment report` names what is wrong with it
+    by_identity: dict[str, list[tuple[str, TrainConfig, dict[str, Any]]]] = {}
+    for run_id, record in records.items():
+        if not isinstance(record, dict) or "error" in record or not isinstance(record.get("config"), dict):
+            continue
+        try:  # read as a config: a field added since, at its default, is the same run
+            saved = TrainConfig.from_dict(saved_train_dict(record["config"]))
+        except ValueError:
+            continue
+        by_identity.setdefault(_identity_key(saved), []).append((run_id, saved, record))
     known = {}
+    for run in runs:
+        same = by_identity.get(_identity_key(run.config), [])
+        for _, saved, record in sorted(same, key=lambda found: found[0] != run.run_id):  # its own record first
+            if record["steps"] < run.config.steps and saved.time_budget_s != run.config.time_budget_s:
+                continue
+            summary = summary_of(record, run, exp, machine)
+            if summary is not None:
+                known[run.run_id] = summary
+                break
+    return known
+
+
+def config_changes(saved: dict[str, Any], grid: dict[str, Any], prefix: str = "") -> list[str]:
+    """'field: recorded → the grid's' for every field where a recorded config differs from the grid's."""
+    changes = []
+    for key in sorted(set(saved) | set(grid)):
+        old, new = saved.get(key), grid.get(key)
+        if isinstance(old, dict) and isinstance(new, dict):
+            changes += config_changes(old, new, f"{prefix}{key}.")
+        elif old != new:
+            changes.append(f"{prefix}{key}: {json.dumps(old)} → {json.dumps(new)}")
+    return changes
+
+
+def earlier_runs(path: Path, exp: Experiment, runs: list[Run]) -> dict[str, tuple[dict[str, Any], dict[str, Any],
+                                                                                 list[str]]]:
+    """{run id: (its recorded config, its summary, the fields the grid has changed since)} for the runs of `runs`
+    that the results JSON records finished under another config (a default or the grid changed since): shown, and
+    marked stale, until they are trained again."""
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+        records, machine = data["runs"], data.get("machine")
+    except (ValueError, KeyError, TypeError):
+        return {}
+    found = {}
     for run in runs:
         record = records.get(run.run_id)
         if not isinstance(record, dict) or "error" in record or not isinstance(record.get("config"), dict):
             continue
-        try:  # read as a config: a field added since, at its default, is the same run
-            saved = TrainConfig.from_dict(record["config"])
+        try:
+            saved = _identity(TrainConfig.from_dict(saved_train_dict(record["config"])))
         except ValueError:
             continue
-        if _without_budget(saved) != _without_budget(run.config):  # as `_run_of` compares a run directory's
-            continue
-        if record["steps"] < run.config.steps and saved.time_budget_s != run.config.time_budget_s:
-            continue
-        evaluation = record.get("evaluation") or evaluation_from_values(record["values"], run, exp)
-        if evaluation is not None:
-            known[run.run_id] = {"results": evaluation, "num_parameters": record["num_parameters"],
-                                 "step": record["steps"], "train_seconds": record["seconds"],
-                                 "skipped_steps": record.get("skipped_steps", 0),
-                                 "machine": record.get("machine", machine)}
-    return known
+        changes = config_changes(saved, _identity(run.config))
+        summary = summary_of(record, run, exp, machine)
+        if changes and summary is not None:
+            found[run.run_id] = (record["config"], summary, changes)
+    return found
+
+
+def summary_of(record: dict[str, Any], run: Run, exp: Experiment, machine: str | None) -> dict[str, Any] | None:
+    """A finished record read back as the eval.json summary of its run (`machine`: the JSON's, where the record
+    names none); None where its evaluation cannot be rebuilt."""
+    evaluation = record.get("evaluation") or evaluation_from_values(record["values"], run, exp)
+    if evaluation is None:
+        return None
+    return {"results": evaluation, "num_parameters": record["num_parameters"], "step": record["steps"],
+            "train_seconds": record["seconds"], "skipped_steps": record.get("skipped_steps", 0),
+            "machine": record.get("machine", machine)}
 
 
 def evaluation_from_values(values: dict[str, float | None], run: Run, exp: Experiment) -> dict[str, Any] | None:
@@ -371,16 +435,24 @@ def train_grid(exp: Experiment, path: Path, runs_dir: Path, jobs: int, header: d
         print(f"{exp.name}: {len(runs)} training runs ({len(done)} read back from {path}; {len(todo)} to train), "
               f"{jobs} at a time, in {runs_dir / exp.name}", flush=True)
 
+    earlier = earlier_runs(path, exp, runs)
+
     def body() -> dict[str, Any]:
-        finished_runs = [run for run in runs if run.run_id in done]
         pending = [run.run_id for run in runs if run.run_id not in done]
-        return {**train_results(exp, finished_runs, [done[r.run_id] for r in finished_runs]),
-                **({"pending": pending} if pending else {})}
+        stale = {run_id: earlier[run_id] for run_id in pending if run_id in earlier}
+        shown = [run for run in runs if run.run_id in done or run.run_id in stale]
+        data = train_results(exp, shown, [done[r.run_id] if r.run_id in done else stale[r.run_id][1] for r in shown])
+        for run_id, (config, _, changes) in stale.items():  # as trained, not as the grid would now train it
+            data["runs"][run_id]["config"] = config
+        return {**data, **({"pending": pending} if pending else {}),
+                **({"stale": {run_id: changes for run_id, (_, _, changes) in stale.items()}} if stale else {})}
 
     def finish(i: int, summary: dict[str, Any]) -> None:
         done[todo[i].run_id] = {**summary, "machine": header["machine"]}
         write_json(path, {**header, **body()})
 
+    for cfg in {json.dumps(run.config.task.to_dict(), sort_keys=True): run.config for run in todo}.values():
+        checked_tasks(cfg)  # a task that cannot be built (its data or extra missing) stops the grid before it writes
     calls = [(run.config, runs_dir / exp.name / run.run_id, retrain) for run in todo]
     run_parallel(_train_or_error, calls, [run.run_id for run in todo], jobs,
                  functools.partial(describe_run, metric=exp.metric), quiet, on_result=finish)

@@ -75,7 +75,8 @@ class NeuralMemory(nn.Module):
             Served by the autograd chunk path (the fused kernels take the scalar gate).
         gates: "data" (θ_t, η_t, α_t from x_t, the paper's data-dependent gates) or "constant" (θ, η, α fixed at
             init_theta, init_eta, init_alpha and not trained, the proof-of-concept's ablation).
-        residual: M(x) = x + MLP(x); False with depth=1 is the paper's linear memory M(x) = x W.
+        residual: M(x) = x + MLP(x) (not in the paper; it cost recall, DESIGN.md §0); False (default): the paper's
+            M(x) = MLP(x), with depth=1 its linear memory M(x) = x W.
         conv_kernel: width of the causal depthwise convs on q, k, v.
         gate_pooling: "token" (per-token θ, η, α) or "chunk" (each chunk uses its first token's gates,
             constant within the chunk and known when the chunk starts, so still causal).
@@ -122,7 +123,7 @@ class NeuralMemory(nn.Module):
         forgetting: bool = True,
         forgetting_channels: bool = False,
         gates: Literal["data", "constant"] = "data",
-        residual: bool = True,
+        residual: bool = False,
         conv_kernel: int = 4,
         gate_pooling: Literal["token", "chunk"] = "token",
         surprise_gate: bool = False,
@@ -212,9 +213,9 @@ class NeuralMemory(nn.Module):
             self.register_buffer("constant_gate_logits", init_logits, persistent=False)
         self.surprise_weight = nn.Parameter(torch.zeros(heads)) if surprise_gate else None
 
-        # W_0: the last layer starts at zero, so the memory starts as M(x) = x (residual) or 0 and reads back only what
-        # it has written. With a random last layer a deep memory adds a fixed random function to every read, and at our
-        # scale it did not learn recall at all (DESIGN.md §1, "Initialisation"); the earlier layers are random, or
+        # W_0: the last layer starts at zero, so the memory starts as M(x) = 0 (x with the residual) and reads back only
+        # what it has written. With a random last layer a deep memory adds a fixed random function to every read, and at
+        # our scale it did not learn recall at all (DESIGN.md §1, "Initialisation"); the earlier layers are random, or
         # the last layer would receive no inner gradient (∂ℓ/∂W_L = σ(a W)ᵀ δ).
         self.initial_weights = nn.ParameterList(
             nn.Parameter(torch.randn(heads, d_in, d_out) / math.sqrt(d_in) if i < depth - 1

@@ -65,7 +65,7 @@ ACTIVATION_VJPS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
 }
 
 
-def memory_apply(x: Tensor, weights: Weights, activation: str = "gelu", residual: bool = True) -> Tensor:
+def memory_apply(x: Tensor, weights: Weights, activation: str = "gelu", residual: bool = False) -> Tensor:
     """M(x; W) for x `[batch, heads, n, d]`."""
     sigma = ACTIVATIONS[activation][0]
     h = x

@@ -306,7 +306,7 @@ def parallel_memory(
     momentum: Optional[Weights] = None,
     chunk_size: int = 16,
     activation: str = "gelu",
-    residual: bool = True,
+    residual: bool = False,
     checkpoint_chunks: Optional[int] = None,
     max_grad_norm: Optional[float] = None,
     max_state_norm: Optional[float] = None,

@@ -28,7 +28,7 @@ def sequential_memory(
     momentum: Optional[Weights] = None,
     chunk_size: int = 16,
     activation: str = "gelu",
-    residual: bool = True,
+    residual: bool = False,
     max_grad_norm: Optional[float] = None,
     max_state_norm: Optional[float] = None,
     normalize_chunk: bool = False,

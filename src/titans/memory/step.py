@@ -50,7 +50,7 @@ def memory_token_step(
     momentum: Weights,
     chunk_end: bool,
     activation: str = "gelu",
-    residual: bool = True,
+    residual: bool = False,
     max_grad_norm: Optional[float] = None,
     max_state_norm: Optional[float] = None,
     normalize_chunk: bool = False,

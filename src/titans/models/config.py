@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal, Optional, get_args
+from typing import Any, Literal, Optional, get_args
 
 from pydantic import Field, model_validator
 
@@ -13,6 +13,29 @@ VARIANTS: tuple[str, ...] = get_args(Variant)
 # Far above any real vocabulary (large LLM tokenizers have ~256k tokens); a typo past it would otherwise fail
 # allocating the embedding table with an allocator traceback instead of an error naming the field.
 MAX_VOCAB_SIZE = 2**24
+
+# Defaults that changed, with the value every config saved before its field existed was trained with: a saved config
+# (a checkpoint's config.yaml, a pretrained config.json, a results JSON's record) that lacks the field is read with
+# that value, not today's default (`with_earlier_defaults`). Configs written since hold every field.
+EARLIER_DEFAULTS: dict[str, Any] = {"memory_residual": True}  # the memory's k + MLP(k) until the ablations
+
+
+def with_earlier_defaults(model: dict[str, Any]) -> dict[str, Any]:
+    """A saved model config's fields, those it lacks whose default changed filled with their earlier value."""
+    return {**EARLIER_DEFAULTS, **model}
+
+
+# Fields a variant's model never reads: configs that differ only there build the same model (held in
+# tests/models/test_models.py), so the experiment runner reads such a run back as one. Only fields known unread.
+UNREAD_FIELDS: dict[str, frozenset[str]] = {
+    "transformer": frozenset({"memory_residual", "mal_residual"}),
+    "swa": frozenset({"memory_residual", "mal_residual"}),
+    "lstm": frozenset({"memory_residual", "mal_residual"}),
+    "gated_deltanet": frozenset({"memory_residual", "mal_residual"}),  # its memory fixes its own residual
+    "lmm": frozenset({"mal_residual"}),
+    "mac": frozenset({"mal_residual"}),
+    "mag": frozenset({"mal_residual"}),
+}
 
 
 class TitansConfig(Config):
@@ -49,7 +72,9 @@ class TitansConfig(Config):
     # α per output channel of every memory layer (the paper's later version) instead of one per token and head
     memory_forgetting_channels: bool = False
     memory_gates: Literal["data", "constant"] = "data"  # constant: θ, η, α fixed at memory_init_* (not trained)
-    memory_residual: bool = True  # M(k) = k + MLP(k); False with memory_depth 1 is the paper's linear memory k W
+    # M(k) = MLP(k), the paper's memory (depth 1: its linear memory k W); True adds the residual k + MLP(k), our former
+    # default, which cost recall (docs/RESULTS.md, ablations; DESIGN.md §0)
+    memory_residual: bool = False
     # MAL: the attention reads u + M(u) and the mixer returns M(u) + SW-Attn(norm(u + M(u))), a residual around each
     # of its two layers (DESIGN.md §3); False: eq. 31 as written, the attention reads M(u) alone
     mal_residual: bool = True

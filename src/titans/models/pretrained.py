@@ -7,7 +7,8 @@ loaded strictly (an unknown field is refused, so a typo never falls back to a de
 are Hugging Face's bookkeeping (`transformers_version`, `architectures`, `dtype`, ...) and are left to it.
 
 The format version says which fields a file may hold. A field added later raises the version, and its default
-must be the behaviour of the files written before it: an older file, which lacks it, loads with the default. A
+must be the behaviour of the files written before it: an older file, which lacks it, loads with the default, or,
+where a default changed since, with the earlier one (`EARLIER_DEFAULTS`). A
 file of a version newer than `FORMAT_VERSION` may hold fields (or meanings) this library does not know, so it
 is refused with a message saying to upgrade, not half-read.
 """
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .config import TitansConfig
+from .config import TitansConfig, with_earlier_defaults
 
 MODEL_TYPE = "titans"
 FORMAT_VERSION = 1  # raise it with every TitansConfig field added (see the module docstring)
@@ -58,11 +59,13 @@ def saved_to_config(data: Any, source: str) -> TitansConfig:
     if not isinstance(data, dict):
         raise ValueError(f"{source} must hold a JSON object, got {type(data).__name__}")
     if "model_type" not in data and SECTION not in data:
-        return section_to_config(data, 1, source)  # the flat layout of the first saved models
+        return section_to_config(with_earlier_defaults(data), 1, source)  # the flat layout of the first saved models
     if data.get("model_type") != MODEL_TYPE:
         raise ValueError(f"{source} is not a titans model: model_type is {data.get('model_type')!r}, "
                          f"not {MODEL_TYPE!r}")
     if VERSION_KEY not in data or SECTION not in data:
         missing = [key for key in (VERSION_KEY, SECTION) if key not in data]
         raise ValueError(f"{source} lacks {' and '.join(missing)}")
-    return section_to_config(data[SECTION], data[VERSION_KEY], source)
+    section = data[SECTION]
+    return section_to_config(with_earlier_defaults(section) if isinstance(section, dict) else section,
+                             data[VERSION_KEY], source)

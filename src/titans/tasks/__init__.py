@@ -16,9 +16,10 @@ from .base import (
     exact_match,
     get_task,
     token_accuracy,
+    tokens_right,
 )
 from .lm import bits_per_byte
 from .recall import CapacityResult, measure_capacity
 
 __all__ = ["IGNORE_INDEX", "TASKS", "CapacityResult", "LabelBatch", "SeriesBatch", "Task", "TaskOptions", "TokenBatch",
-           "bits_per_byte", "exact_match", "get_task", "measure_capacity", "token_accuracy"]
+           "bits_per_byte", "exact_match", "get_task", "measure_capacity", "token_accuracy", "tokens_right"]

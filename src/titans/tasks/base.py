@@ -60,11 +60,14 @@ def exact_match(logits_or_preds: Tensor, targets: Tensor) -> Tensor:
     return right.all(-1).float()
 
 
+def tokens_right(logits_or_preds: Tensor, targets: Tensor) -> Tensor:
+    """Scalar integer: how many scored positions are predicted right (exact, to be summed over batches)."""
+    return ((_predictions(logits_or_preds, targets) == targets) & (targets != IGNORE_INDEX)).sum()
+
+
 def token_accuracy(logits_or_preds: Tensor, targets: Tensor) -> Tensor:
     """Scalar float: the fraction of scored positions predicted right (0 when nothing is scored)."""
-    scored = targets != IGNORE_INDEX
-    right = (_predictions(logits_or_preds, targets) == targets) & scored
-    return right.sum().float() / scored.sum().clamp_min(1)
+    return tokens_right(logits_or_preds, targets).float() / (targets != IGNORE_INDEX).sum().clamp_min(1)
 
 
 def answer_targets(inputs: Tensor, answer_len: int) -> Tensor:

@@ -28,8 +28,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_model, save_model
 from torch import nn
 
+from ..config import read_yaml_mapping
 from ..models.state_io import load_state, save_state
-from .config import TrainConfig, load_train_config
+from .config import TrainConfig, load_train_config, saved_train_dict
 
 RUN_MARKER = ".titans-run"
 CHECKPOINT_FILES = ("model.safetensors", "trainer.pt", "config.yaml")  # what a checkpoint folder holds
@@ -145,7 +146,7 @@ def load_checkpoint_config(path: Path) -> TrainConfig:
     if not config_path.is_file():
         raise ValueError(f"checkpoint {path} has no config.yaml")
     try:
-        return load_train_config(config_path)
+        return load_train_config(data=saved_train_dict(read_yaml_mapping(config_path)))
     except ValueError as err:
         raise ValueError(f"checkpoint {path} has an invalid config.yaml: {err}") from None
 

@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal, Optional
 from pydantic import Field, PositiveInt, model_validator
 
 from ..config import Config, FromList, apply_overrides, read_yaml_mapping
-from ..models.config import TitansConfig
+from ..models.config import TitansConfig, with_earlier_defaults
 from ..tasks import Task, get_task
 from .precision import Precision
 
@@ -137,6 +137,14 @@ def resume_mismatches(saved: TrainConfig, current: TrainConfig) -> list[str]:
     old, new = _flatten(saved.to_dict()), _flatten(current.to_dict())
     return [f"{key} ({old.get(key)!r} -> {new.get(key)!r})" for key in sorted(old.keys() | new.keys())
             if key not in RESUMABLE_CHANGES and old.get(key) != new.get(key)]
+
+
+def saved_train_dict(data: Any) -> Any:
+    """A saved TrainConfig's mapping (a checkpoint's config.yaml, a results JSON's record) with the model fields it
+    lacks whose default changed since filled with their earlier value (`models.config.EARLIER_DEFAULTS`)."""
+    if isinstance(data, dict) and isinstance(data.get("model", {}), dict):
+        return {**data, "model": with_earlier_defaults(data.get("model", {}))}
+    return data
 
 
 def load_train_config(path: str | Path | None = None, overrides: list[str] | None = None,

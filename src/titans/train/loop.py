@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 
 from ..models import ClassificationHead, ForecastHead, TitansEncoder, TitansLM
 from ..models.state_io import detached
-from ..tasks import IGNORE_INDEX, LabelBatch, Task, TokenBatch, bits_per_byte, exact_match, get_task, token_accuracy
+from ..tasks import IGNORE_INDEX, LabelBatch, Task, TokenBatch, bits_per_byte, exact_match, get_task, tokens_right
 from ..tasks.base import Batch
 from .checkpoint import (
     check_run_dir,
@@ -306,7 +306,7 @@ class EvalTally:
         if isinstance(batch, TokenBatch):
             targets = batch.targets.to(outputs.device)
             self.matches += exact_match(outputs, targets).sum().item()
-            self.right += token_accuracy(outputs, targets).item() * n
+            self.right += tokens_right(outputs, targets).item()  # a count: the same sum for any batching
             if self.by_position is not None:
                 self.by_position.add(outputs, targets)
         elif isinstance(batch, LabelBatch):
