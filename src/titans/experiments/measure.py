@@ -33,13 +33,14 @@ from .spec import Experiment, merge
 
 
 def memory_reader(dim: int, memory_depth: int, expansion: int, chunk_size: int, theta: float, vocab: int,
-                  seed: int = 0):
+                  residual: bool = False):
     """predict(inputs [B, 4n + 1]) -> predicted tokens [B, 4n + 1]: the pairs written into a fresh memory, every
     queried key read back (other positions predict -1)."""
     from ..memory import NeuralMemory, memory_apply, parallel_memory
 
-    generator = torch.Generator().manual_seed(seed)
-    layer = NeuralMemory(dim, heads=1, depth=memory_depth, expansion=expansion, chunk_size=chunk_size)
+    generator = torch.Generator().manual_seed(0)
+    layer = NeuralMemory(dim, heads=1, depth=memory_depth, expansion=expansion, chunk_size=chunk_size,
+                         residual=residual)
     vectors = torch.nn.functional.normalize(torch.randn(vocab, dim, generator=generator, dtype=torch.float64), dim=-1)
     weights = tuple(w.detach().double() for w in layer.initial_weights)
     value_low, value_high = Capacity(CapacityOptions(vocab=vocab, num_pairs=1)).value_range
@@ -74,7 +75,8 @@ def capacity_point(grid: dict[str, Any], memory_depth: int, expansion: int, chun
     by_theta = {}
     vocab = 2 + 2 * max(512, 2 * max(grid["pair_counts"]))  # enough distinct keys for the most pairs
     for theta in grid["thetas"]:
-        predict = memory_reader(grid["dim"], memory_depth, expansion, chunk_size, theta, vocab)
+        predict = memory_reader(grid["dim"], memory_depth, expansion, chunk_size, theta, vocab,
+                                grid["memory_residual"])
         result = measure_capacity(predict, grid["pair_counts"], threshold=grid["threshold"], vocab=vocab,
                                   batch_size=grid["batch_size"])
         by_theta[str(theta)] = {"capacity": result.capacity,

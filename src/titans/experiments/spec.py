@@ -48,6 +48,7 @@ class CapacityGrid(Config):
     thetas: list[PositiveFloat] = Field(default_factory=lambda: [0.1, 0.3, 1.0, 3.0, 10.0, 30.0], min_length=1)
     threshold: float = Field(0.9, gt=0, le=1)  # capacity: the most pairs recalled at least this often
     batch_size: int = Field(16, ge=1)
+    memory_residual: bool = False  # the memory's residual k + MLP(k) (the library's default, the paper's: without)
 
 
 class EfficiencyGrid(Config):
