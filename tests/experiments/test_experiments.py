@@ -299,7 +299,11 @@ def test_runs_of_an_earlier_config_are_shown_marked_stale_until_trained_again(qu
     text = section(data, clone / "niah.json", clone / "niah.png", clone)
     assert f"**Incomplete**: {total - 1} of {total} runs finished; 1 more are shown as trained under an earlier " \
            "config" in text and "model.memory_residual: true → false (1 runs)" in text
-    assert "shown from an earlier config" in headline(data, "RESULTS.md", "niah.png")
+    head = headline(data, "RESULTS.md", "niah.png")
+    assert "shown from an earlier config" in head
+    row = data["runs"][changed]["model"]
+    assert f"| {row} (stale) |" in head and all(f"| {other} (stale)" not in head for other in data["results"]
+                                                 if other != row)
     after = json.loads(run_experiment(exp, clone, tmp_path / "runs", jobs=1, quick=True, quiet=True).read_text())
     assert len(calls) == 1 and "stale" not in after and "pending" not in after
     assert after["runs"][changed]["config"]["model"]["memory_residual"] is False

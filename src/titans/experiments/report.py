@@ -85,6 +85,7 @@ def panel_table(data: dict[str, Any], panel: dict[str, Any], labels: list[str],
         if len(set(values)) > 1:  # a column where every model ties has no best
             best[setting] = max(values) if better else min(values)
     lines = ["| model | " + " | ".join(labels) + " |", "|---|" + "---:|" * len(labels)]
+    stale = stale_rows(data)
     for model, by_setting in data["results"].items():
         cells = []
         for setting in panel["settings"]:
@@ -96,8 +97,15 @@ def panel_table(data: dict[str, Any], panel: dict[str, Any], labels: list[str],
             if value is not None and value == best.get(setting):
                 text = f"**{text}**"
             cells.append(text)
-        lines.append(f"| {model} | " + " | ".join(cells) + " |")
+        mark = " (stale)" if model in stale else ""
+        lines.append(f"| {model}{mark} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def stale_rows(data: dict[str, Any]) -> set[str]:
+    """The rows with a run shown from an earlier config (`stale`): their cells are not yet the grid's."""
+    stale = data.get("stale", {})
+    return {record["model"] for run_id, record in data["runs"].items() if run_id in stale and "model" in record}
 
 
 def last_setting(data: dict[str, Any]) -> str:
