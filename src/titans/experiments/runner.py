@@ -237,6 +237,16 @@ def run_record(run: Run, summary: dict[str, Any], values: dict[str, float | None
                 "evaluation": summary["results"]})}
 
 
+def json_records(path: Path) -> tuple[dict[str, Any], str | None]:
+    """(the run records, the machine) of the results JSON at `path`; none where there is no results JSON there
+    (`titans experiment report` names what is wrong with a file that is not one)."""
+    try:
+        data = json.loads(path.read_text()) if path.is_file() else {}
+        return dict(data["runs"]), data.get("machine")
+    except (ValueError, KeyError, TypeError):
+        return {}, None
+
+
 def recorded_runs(path: Path, exp: Experiment, runs: list[Run]) -> dict[str, dict[str, Any]]:
     """{run id: its eval.json summary} for the runs of `runs` that the results JSON at `path` records finished with
     exactly their config (their `_identity`, as `finished` reads a run directory), so that they are not trained
@@ -244,13 +254,7 @@ def recorded_runs(path: Path, exp: Experiment, runs: list[Run]) -> dict[str, dic
     renamed, or a default changed so that one row's config is now another's, reuses the measurement. A record cut
     short by a time budget other than the grid's is not read back (it would train on); nor is one that failed. A
     record from before records kept their evaluation is rebuilt from its values."""
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text())
-        records, machine = data["runs"], data.get("machine")
-    except (ValueError, KeyError, TypeError):
-        return {}  # not a results JSON: `titans experiment report` names what is wrong with it
+    records, machine = json_records(path)
     by_identity: dict[str, list[tuple[str, TrainConfig, dict[str, Any]]]] = {}
     for run_id, record in records.items():
         if not isinstance(record, dict) or "error" in record or not isinstance(record.get("config"), dict):
@@ -290,13 +294,7 @@ def earlier_runs(path: Path, exp: Experiment, runs: list[Run]) -> dict[str, tupl
     """{run id: (its recorded config, its summary, the fields the grid has changed since)} for the runs of `runs`
     that the results JSON records finished under another config (a default or the grid changed since): shown, and
     marked stale, until they are trained again."""
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text())
-        records, machine = data["runs"], data.get("machine")
-    except (ValueError, KeyError, TypeError):
-        return {}
+    records, machine = json_records(path)
     found = {}
     for run in runs:
         record = records.get(run.run_id)
