@@ -247,21 +247,29 @@ def json_records(path: Path) -> tuple[dict[str, Any], str | None]:
         return {}, None
 
 
-def recorded_runs(path: Path, exp: Experiment, runs: list[Run]) -> dict[str, dict[str, Any]]:
-    """{run id: its eval.json summary} for the runs of `runs` that the results JSON at `path` records finished with
+def _recorded_config(record: Any) -> TrainConfig | None:
+    """The config a finished record was trained with; None for a failed record or one without a readable config.
+    Read as a config: a field added since is at its default (or at its earlier one, where the default changed)."""
+    if not isinstance(record, dict) or "error" in record or not isinstance(record.get("config"), dict):
+        return None
+    try:
+        return TrainConfig.from_dict(saved_train_dict(record["config"]))
+    except ValueError:
+        return None
+
+
+def recorded_runs(records: dict[str, Any], machine: str | None, exp: Experiment,
+                  runs: list[Run]) -> dict[str, dict[str, Any]]:
+    """{run id: its eval.json summary} for the runs of `runs` that a results JSON's `records` hold finished with
     exactly their config (their `_identity`, as `finished` reads a run directory), so that they are not trained
     again. A run is read back from its own record or, failing that, from any record of the same config: a row
     renamed, or a default changed so that one row's config is now another's, reuses the measurement. A record cut
     short by a time budget other than the grid's is not read back (it would train on); nor is one that failed. A
     record from before records kept their evaluation is rebuilt from its values."""
-    records, machine = json_records(path)
     by_identity: dict[str, list[tuple[str, TrainConfig, dict[str, Any]]]] = {}
     for run_id, record in records.items():
-        if not isinstance(record, dict) or "error" in record or not isinstance(record.get("config"), dict):
-            continue
-        try:  # read as a config: a field added since, at its default, is the same run
-            saved = TrainConfig.from_dict(saved_train_dict(record["config"]))
-        except ValueError:
+        saved = _recorded_config(record)
+        if saved is None:
             continue
         by_identity.setdefault(_identity_key(saved), []).append((run_id, saved, record))
     known = {}
@@ -289,22 +297,18 @@ def config_changes(saved: dict[str, Any], grid: dict[str, Any], prefix: str = ""
     return changes
 
 
-def earlier_runs(path: Path, exp: Experiment, runs: list[Run]) -> dict[str, tuple[dict[str, Any], dict[str, Any],
-                                                                                 list[str]]]:
+def earlier_runs(records: dict[str, Any], machine: str | None, exp: Experiment,
+                 runs: list[Run]) -> dict[str, tuple[dict[str, Any], dict[str, Any], list[str]]]:
     """{run id: (its recorded config, its summary, the fields the grid has changed since)} for the runs of `runs`
-    that the results JSON records finished under another config (a default or the grid changed since): shown, and
-    marked stale, until they are trained again."""
-    records, machine = json_records(path)
+    that a results JSON's `records` hold finished under another config (a default or the grid changed since): shown,
+    and marked stale, until they are trained again."""
     found = {}
     for run in runs:
         record = records.get(run.run_id)
-        if not isinstance(record, dict) or "error" in record or not isinstance(record.get("config"), dict):
+        saved = _recorded_config(record)
+        if saved is None:
             continue
-        try:
-            saved = _identity(TrainConfig.from_dict(saved_train_dict(record["config"])))
-        except ValueError:
-            continue
-        changes = config_changes(saved, _identity(run.config))
+        changes = config_changes(_identity(saved), _identity(run.config))
         summary = summary_of(record, run, exp, machine)
         if changes and summary is not None:
             found[run.run_id] = (record["config"], summary, changes)
@@ -426,14 +430,15 @@ def train_grid(exp: Experiment, path: Path, runs_dir: Path, jobs: int, header: d
     if unknown:
         raise ValueError(f"experiment {exp.name} has no rows {unknown}; its rows are {rows}")
     chosen = {run.run_id for run in runs if only is None or run.model in only}
-    done = {run_id: summary for run_id, summary in recorded_runs(path, exp, runs).items()
+    records, machine = json_records(path)
+    done = {run_id: summary for run_id, summary in recorded_runs(records, machine, exp, runs).items()
             if not (retrain and run_id in chosen)}
     todo = [run for run in runs if run.run_id in chosen and run.run_id not in done]
     if not quiet:
         print(f"{exp.name}: {len(runs)} training runs ({len(done)} read back from {path}; {len(todo)} to train), "
               f"{jobs} at a time, in {runs_dir / exp.name}", flush=True)
 
-    earlier = earlier_runs(path, exp, runs)
+    earlier = earlier_runs(records, machine, exp, runs)
 
     def body() -> dict[str, Any]:
         pending = [run.run_id for run in runs if run.run_id not in done]
