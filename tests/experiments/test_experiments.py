@@ -157,6 +157,8 @@ def test_a_finished_grid_is_read_back_not_trained_again(quick_results, tmp_path,
 def test_measured_points_are_read_back_until_the_grid_changes(quick_results, tmp_path, monkeypatch, name, point):
     results_dir, runs_dir = quick_results
     before = json.loads((results_dir / f"{name}.json").read_text())
+    failed = {run: r["status"] for run, r in before["runs"].items() if r.get("status", "ok") != "ok"}
+    assert not failed, f"quick points failed (a failed point is measured again by design): {failed}"
 
     def no_measuring(*args, **kwargs):
         raise AssertionError("a measured point was measured again")
