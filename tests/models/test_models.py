@@ -13,6 +13,8 @@ from titans.memory import NeuralMemory
 from titans.models import VARIANTS, load_state, sample_next, save_state
 from titans.models.config import UNREAD_FIELDS
 from titans.models.state_io import _flatten
+from titans.train.config import OptimConfig
+from titans.train.loop import make_optimizer
 
 DT = torch.float64
 VOCAB = 32
@@ -251,6 +253,24 @@ def test_ablation_switches_reach_every_titans_memory(name):
     assert (gdn.forgetting, gdn.gates, gdn.forgetting_channels) == (True, "data", False)
     stepped = tiny_model(name, memory_hidden_step=0.25)
     assert {m.hidden_step for m in stepped.modules() if isinstance(m, NeuralMemory)} == {0.25}
+
+
+@pytest.mark.parametrize("name", ["lmm", "mac", "mag", "mal", "gated_deltanet"])
+def test_a_memory_whose_initial_weights_are_not_learned(name):
+    """memory_learned_init=False: the same model at init, but the outer loop's gradient never reaches W_0 while it
+    reaches every other parameter of the memory, and the trainer leaves W_0 out of its optimiser."""
+    frozen, learned = tiny_model(name, memory_learned_init=False), tiny_model(name)
+    x = tokens(2, 13)
+    assert torch.equal(frozen(x)[0], learned(x)[0])
+    frozen(x)[0].square().mean().backward()
+    memories = [m for m in frozen.modules() if isinstance(m, NeuralMemory)]
+    assert memories and all(not m.initial_weights[0].requires_grad for m in memories)
+    for memory in memories:
+        assert all(p.grad is None for p in memory.initial_weights)  # learned: every W_0 trains (below)
+        assert memory.to_qkv.weight.grad is not None and memory.to_qkv.weight.grad.abs().sum() > 0
+    optimised = {id(p) for group in make_optimizer(frozen, OptimConfig()).param_groups for p in group["params"]}
+    assert not any(id(p) in optimised for m in memories for p in m.initial_weights)
+    assert all(p.requires_grad for m in learned.modules() if isinstance(m, NeuralMemory) for p in m.initial_weights)
 
 
 def test_the_memory_is_the_papers_mlp_by_default():

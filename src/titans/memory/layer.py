@@ -96,6 +96,8 @@ class NeuralMemory(nn.Module):
             of each taking its own (see `parallel_memory`); False: the paper's sum of the chunk's gradients.
         hidden_step: ρ, the inner step of every memory layer but the last as a fraction of θ (see
             `parallel_memory`); 1 is the paper's rule, 0 keeps the hidden layers at their learned W_0 at test time.
+        learned_init: the memory's initial weights W_0 are parameters of the outer loop (default; the paper is
+            silent); False leaves them as initialised (last layer 0), so a read returns only what was written.
         gradients: where each token's inner gradient is taken: "chunk" (at its chunk's starting weights, the
             paper's parallelisable mini-batch form) or "token" (at the weights the previous token left: exact
             online gradient descent, the gated delta rule; needs depth=1, momentum=False, no surprise gate
@@ -137,6 +139,7 @@ class NeuralMemory(nn.Module):
         max_state_norm: Optional[float] = 10.0,
         normalize_chunk: bool = True,
         hidden_step: float = 1.0,
+        learned_init: bool = True,
         implementation: Optional[str] = None,
     ):
         super().__init__()
@@ -222,6 +225,9 @@ class NeuralMemory(nn.Module):
                          else torch.zeros(heads, d_in, d_out))
             for i, (d_in, d_out) in enumerate(zip(widths, widths[1:]))
         )
+        # learned_init=False: W_0 stays as initialised. Trained, W_0 can turn a read of the memory into a learned
+        # function of the query alone, a shortcut that MAC took instead of recalling across segments (DESIGN.md §1).
+        self.initial_weights.requires_grad_(learned_init)
         self.out_norm_weight = nn.Parameter(torch.ones(heads, 1, self.head_dim))
         self.to_out_gate = nn.Linear(dim, dim, bias=False)
         self.to_out = nn.Linear(dim, dim, bias=False)

@@ -28,9 +28,9 @@ def with_earlier_defaults(model: dict[str, Any]) -> dict[str, Any]:
 # Fields a variant's model never reads: configs that differ only there build the same model (held in
 # tests/models/test_models.py), so the experiment runner reads such a run back as one. Only fields known unread.
 UNREAD_FIELDS: dict[str, frozenset[str]] = {
-    "transformer": frozenset({"memory_residual", "mal_residual"}),
-    "swa": frozenset({"memory_residual", "mal_residual"}),
-    "lstm": frozenset({"memory_residual", "mal_residual"}),
+    "transformer": frozenset({"memory_residual", "mal_residual", "memory_learned_init"}),
+    "swa": frozenset({"memory_residual", "mal_residual", "memory_learned_init"}),
+    "lstm": frozenset({"memory_residual", "mal_residual", "memory_learned_init"}),
     "gated_deltanet": frozenset({"memory_residual", "mal_residual"}),  # its memory fixes its own residual
     "lmm": frozenset({"mal_residual"}),
     "mac": frozenset({"mal_residual"}),
@@ -80,6 +80,9 @@ class TitansConfig(Config):
     mal_residual: bool = True
     # ρ: the hidden memory layers' inner step as a fraction of θ (1: the paper)
     memory_hidden_step: float = Field(1.0, ge=0, le=1)
+    # the memory's initial weights W_0 trained by the outer loop (the paper is silent); False keeps them at their
+    # initialisation (last layer 0, earlier layers random), so a read returns only what the memory wrote
+    memory_learned_init: bool = True
     gate_pooling: Literal["token", "chunk"] = "token"
     surprise_gate: bool = False  # θ_t = θ_max sigmoid(x_t w_θ + b_θ + w_s log(1 + surprise_t))
     conv_kernel: int = Field(4, ge=1)
