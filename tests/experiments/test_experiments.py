@@ -223,6 +223,23 @@ def test_a_grid_continues_from_its_json_where_the_runs_are_gone(quick_results, t
         assert record["steps"] == before["runs"][run_id]["steps"] and record["evaluation"]
 
 
+def test_a_rewrite_on_another_machine_keeps_the_machine_that_trained_the_runs(quick_results, tmp_path, monkeypatch):
+    """`--no-train` (or a grid read back elsewhere) names the machine that trained most of the runs, not its own."""
+    results_dir, _ = quick_results
+
+    def trained_elsewhere(data):
+        for i, record in enumerate(data["runs"].values()):
+            record["machine"] = "machine A" if i else "machine B"
+
+    clone = fresh_clone_of(results_dir, "niah", tmp_path, trained_elsewhere)
+    calls = spy_on_train(monkeypatch)
+    exp = load_experiment("niah", quick=True, folder=FOLDER)
+    after = json.loads(run_experiment(exp, clone, tmp_path / "no-runs", jobs=1, quick=True, quiet=True,
+                                      only=[]).read_text())
+    assert calls == [] and after["machine"] == "machine A"
+    assert [r["machine"] for r in after["runs"].values()].count("machine B") == 1
+
+
 def test_a_run_whose_config_changed_or_failed_is_trained_again_and_the_rest_read_back(quick_results, tmp_path,
                                                                                      monkeypatch):
     results_dir, _ = quick_results

@@ -274,7 +274,7 @@ def test_a_memory_whose_initial_weights_are_not_learned(name):
 
 
 def test_the_memory_is_the_papers_mlp_by_default():
-    """M(k) = W_2 σ(k W_1), no residual k + (DESIGN.md §0), in the config and in the layer alike."""
+    """M(k) = W_2 σ(k W_1), no residual k + (DESIGN.md §1), in the config and in the layer alike."""
     assert TitansConfig().memory_residual is False and NeuralMemory(16).residual is False
     assert {m.residual for m in tiny_model("lmm").modules() if isinstance(m, NeuralMemory)} == {False}
 

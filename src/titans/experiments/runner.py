@@ -13,7 +13,8 @@ change to the model's code, which no config shows).
 
 The results JSON (`docs/results/<experiment>.json`) holds everything the report needs:
 
-    {"experiment", "title", "about", "discussion", "tier", "command", "machine", "metric", "higher_is_better",
+    {"experiment", "title", "about", "discussion", "tier", "command", "machine" (that trained most of the runs),
+     "metric", "higher_is_better",
      "x_label", "x_axis", "published" (others' figures for the same experiment, or null), "heatmap" (or null),
      "baselines" ({"<row>": "<metric>"}: rows that are no model, or null),
      "panels": {"<panel>": {"settings": [...], "x": [...], and a panel's own "x_label", "higher_is_better",
@@ -34,6 +35,7 @@ import json
 import os
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from multiprocessing import get_context
@@ -222,7 +224,15 @@ def train_results(exp: Experiment, runs: list[Run], summaries: list[dict[str, An
                 values[f"{panel}/{end}"] = value
                 collect(per_seed, run.model, {f"{panel}/{end}": value})
         records[run.run_id] = run_record(run, summary, values)
-    return {"panels": panels, **over_seeds(per_seed), "runs": records}
+    machine = trained_on(summaries)
+    return {**({"machine": machine} if machine else {}), "panels": panels, **over_seeds(per_seed), "runs": records}
+
+
+def trained_on(summaries: list[dict[str, Any]]) -> str | None:
+    """The machine that trained most of the runs (the JSON's "machine"): not the one that merely rewrote the JSON,
+    which `--no-train` or a grid finished elsewhere would otherwise claim; None where no run names its machine."""
+    machines = Counter(s["machine"] for s in summaries if s.get("machine"))
+    return machines.most_common(1)[0][0] if machines else None
 
 
 def run_record(run: Run, summary: dict[str, Any], values: dict[str, float | None]) -> dict[str, Any]:

@@ -75,7 +75,7 @@ class NeuralMemory(nn.Module):
             Served by the autograd chunk path (the fused kernels take the scalar gate).
         gates: "data" (θ_t, η_t, α_t from x_t, the paper's data-dependent gates) or "constant" (θ, η, α fixed at
             init_theta, init_eta, init_alpha and not trained, the proof-of-concept's ablation).
-        residual: M(x) = x + MLP(x) (not in the paper; it cost recall, DESIGN.md §0); False (default): the paper's
+        residual: M(x) = x + MLP(x) (not in the paper; it cost recall, DESIGN.md §1); False (default): the paper's
             M(x) = MLP(x), with depth=1 its linear memory M(x) = x W.
         conv_kernel: width of the causal depthwise convs on q, k, v.
         gate_pooling: "token" (per-token θ, η, α) or "chunk" (each chunk uses its first token's gates,

@@ -73,7 +73,7 @@ class TitansConfig(Config):
     memory_forgetting_channels: bool = False
     memory_gates: Literal["data", "constant"] = "data"  # constant: θ, η, α fixed at memory_init_* (not trained)
     # M(k) = MLP(k), the paper's memory (depth 1: its linear memory k W); True adds the residual k + MLP(k), our former
-    # default, which cost recall (docs/RESULTS.md, ablations; DESIGN.md §0)
+    # default, which cost recall (docs/RESULTS.md, ablations; DESIGN.md §1)
     memory_residual: bool = False
     # MAL: the attention reads u + M(u) and the mixer returns M(u) + SW-Attn(norm(u + M(u))), a residual around each
     # of its two layers (DESIGN.md §3); False: eq. 31 as written, the attention reads M(u) alone
