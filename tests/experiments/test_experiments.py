@@ -517,6 +517,36 @@ def test_plot_of_models_takes_a_mean_an_ulp_outside_its_seeds_range():
     plt.close(fig)
 
 
+def test_a_grid_of_many_rows_is_plotted_a_row_per_model(tmp_path):
+    """An ablation grid (39 rows) gets a labelled row per model, a marker per column, and its legend below the panels;
+    lines over two columns could not be told apart, nor their legend fit in the axes."""
+    import warnings
+
+    import matplotlib
+    import matplotlib.pyplot as plt
+
+    from titans.experiments.report import MANY_ROWS, plot, plot_rows
+
+    models = [f"row {i}" for i in range(MANY_ROWS + 3)]
+    panel = {"settings": ["256", "1024"], "x": [256, 1024]}
+    data = {"experiment": "x", "title": "x", "metric": "bits_per_byte", "higher_is_better": False,
+            "x_label": "context length (bytes)", "panels": {"": panel},
+            "results": {m: {"256": 2.0 + i / 100, "1024": 2.1 + i / 100} for i, m in enumerate(models)}}
+    data["results"]["row 1"] = {"256": 2.5}  # a row missing a column keeps its place
+    matplotlib.use("Agg")
+    fig, ax = plt.subplots()
+    plot_rows(ax, data, panel, "")
+    assert [t.get_text() for t in ax.get_yticklabels()] == models
+    assert ax.get_ylim()[0] > ax.get_ylim()[1]  # the first row on top, as in the table
+    assert [line.get_label() for line in ax.get_lines() if not line.get_label().startswith("_")] == [
+        "context length (bytes) 256", "context length (bytes) 1024"]
+    plt.close(fig)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the layout fits: no "tight layout not applied"
+        plot(data, tmp_path / "x.png")
+    assert (tmp_path / "x.png").stat().st_size > 0
+
+
 def test_report_refuses_bad_input_and_changes_nothing(tmp_path):
     with pytest.raises(ValueError, match="no results JSON"):
         write_report(tmp_path, tmp_path / "RESULTS.md")

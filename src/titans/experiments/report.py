@@ -164,9 +164,14 @@ def plot(data: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     panels = data["panels"]
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
+    many = len(data["results"]) > MANY_ROWS
+    height = 0.17 * len(data["results"]) + 1.6 if many else 3.6
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), height), squeeze=False)
     for ax, (name, panel) in zip(axes[0], panels.items()):
         xs = panel["x"]
+        if many:
+            plot_rows(ax, data, panel, name)
+            continue
         if len(xs) == 1:
             plot_models(ax, data, panel, name)
             continue
@@ -187,13 +192,40 @@ def plot(data: dict[str, Any], path: Path) -> None:
         if name:  # an unnamed single panel: the figure's title names it
             ax.set_title(name, fontsize=9)
         ax.grid(alpha=0.3)
-    if axes[0][-1].get_legend_handles_labels()[0]:
+    handles, labels = axes[0][-1].get_legend_handles_labels()
+    if handles and many:  # below the panels, where no row's markers are
+        fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=7)
+    elif handles:
         axes[0][-1].legend(fontsize=7, loc="best")
     # wrapped to the figure's width (about 11 characters an inch at this size): one narrow panel cut long titles off
     fig.suptitle(textwrap.fill(data.get("title", data["experiment"]), width=int(11 * 4.2 * len(panels))), fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.35 / height if many else 0, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+# Beyond this many rows a line per model cannot be told apart (nor its legend fit): a row per model instead.
+MANY_ROWS = 16
+
+
+def plot_rows(ax: Any, data: dict[str, Any], panel: dict[str, Any], name: str) -> None:
+    """A panel of many models (an ablation grid): a row per model, labelled, with a marker per column of the panel
+    joined by a faint line, so that each row's value and its change with x read off one line."""
+    models = [m for m, r in data["results"].items() if any(r.get(s) is not None for s in panel["settings"])]
+    for i, model in enumerate(models):
+        values = [v for s in panel["settings"] if (v := data["results"][model].get(s)) is not None]
+        ax.plot(values, [i] * len(values), color="0.75", linewidth=0.8, zorder=1)
+    for j, (x, setting) in enumerate(zip(panel["x"], panel["settings"])):
+        rows = [(v, i) for i, m in enumerate(models) if (v := data["results"][m].get(setting)) is not None]
+        if rows:
+            ax.plot(*zip(*rows), marker="os^vD"[j % 5], markersize=4, linestyle="none", zorder=2,
+                    label=f"{x_label_of(data, panel)} {x_text(x)}")
+    ax.set_yticks(range(len(models)), models, fontsize=7)
+    ax.set_ylim(len(models) - 0.5, -0.5)  # the first row on top, as in the table
+    ax.set_xlabel(name if "higher_is_better" in panel else data["metric"], fontsize=8)
+    if name:
+        ax.set_title(name, fontsize=9)
+    ax.grid(alpha=0.3, axis="x")
 
 
 def plot_models(ax: Any, data: dict[str, Any], panel: dict[str, Any], name: str) -> None:
