@@ -726,6 +726,34 @@ def test_continual_measures_the_lm_runs_and_reads_them_back(quick_results, tmp_p
     assert json.loads(again.read_text())["results"] == data["results"]
 
 
+def test_continual_on_a_fresh_clone_reads_its_json_and_measures_only_changed_models(quick_results, tmp_path,
+                                                                                    monkeypatch):
+    """A fresh clone has continual.json but not lm's trained runs: a model whose measurement the JSON holds for its
+    config is read back, not trained and measured again; one whose config changed since (a default) is; a changed
+    grid measures every model again."""
+    results_dir, _ = quick_results
+    before = json.loads((results_dir / "continual.json").read_text())
+    changed, *kept = list(before["runs"])
+
+    def earlier_default(data):
+        data["runs"][changed]["config"]["model"]["memory_residual"] = True  # trained before the default changed
+
+    clone = fresh_clone_of(results_dir, "continual", tmp_path, earlier_default)
+    calls = spy_on_train(monkeypatch)
+    exp = load_experiment("continual", quick=True, folder=FOLDER)
+    after = json.loads(run_experiment(exp, clone, tmp_path / "runs", jobs=1, quick=True, quiet=True).read_text())
+    assert len(calls) == 1 and [p.name for p in (tmp_path / "runs" / "lm").iterdir()] == [changed]  # trained here
+    for run_id in kept:
+        assert after["runs"][run_id] == before["runs"][run_id]
+    assert after["runs"][changed]["config"]["model"]["memory_residual"] is False
+    assert after["results"].keys() == before["results"].keys()
+
+    retrained = spy_on_train(monkeypatch)
+    other = exp.replace(continual={**exp.continual.to_dict(), "passage": exp.continual.passage + 1})
+    run_experiment(other, clone, tmp_path / "runs-2", jobs=1, quick=True, quiet=True)
+    assert len(retrained) == len(before["runs"])
+
+
 def test_a_task_that_cannot_be_built_stops_the_grid_before_it_writes(tmp_path, monkeypatch):
     """Missing data (here a weather folder that does not exist; an optional extra not installed fails the same way)
     is an error naming it before any run trains, and the committed JSON is left as it was, not overwritten with one

@@ -15,6 +15,7 @@ by it).
 from __future__ import annotations
 
 import functools
+import json
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +25,9 @@ from torch import Tensor, nn
 
 from ..tasks.lm import bits_per_byte, repeated_passage_documents
 from ..train.loop import derive_seed, load_trained, streamed
-from .runner import _train_or_error, add_setting, cached, collect, describe_run, over_seeds, run_parallel, run_record
-from .spec import Experiment, expand, load_experiment
+from .runner import (_train_or_error, add_setting, cached, collect, describe_run, identity_key, over_seeds,
+                     recorded_config, run_parallel, run_record)
+from .spec import Experiment, Run, expand, load_experiment
 
 CONTINUAL_STREAM = 4  # the documents' seeds: apart from training (1), evaluation (2) and dropout (3)
 READINGS = ("first reading", "second reading")
@@ -70,23 +72,50 @@ def continual_point(run_dir: str, grid: dict[str, Any], config: dict[str, Any], 
     return {str(gap): passage_bits(model, data, grid, gap) for gap in grid["gaps"]}
 
 
-def continual_results(exp: Experiment, runs_dir: Path, jobs: int, quick: bool, quiet: bool = False) -> dict[str, Any]:
+def recorded_points(path: Path | None, grid: dict[str, Any], runs: list[Run]) -> dict[int, dict[str, Any]]:
+    """{index in `runs`: its record} for the runs whose measurement the continual JSON at `path` holds for the same
+    grid and exactly the run's config (as the training grids read a run back from their JSON): a fresh clone, which
+    has the JSON but not the source's trained runs, then trains and measures only the models whose config changed."""
+    if path is None or not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except ValueError:
+        return {}
+    if not isinstance(data, dict) or data.get("grid") != grid or not isinstance(data.get("runs"), dict):
+        return {}
+    kept = {}
+    for i, run in enumerate(runs):
+        record = data["runs"].get(run.run_id)
+        saved = recorded_config(record)
+        if saved is not None and identity_key(saved) == identity_key(run.config) \
+                and all(value is not None for value in record["values"].values()):
+            kept[i] = record
+    return kept
+
+
+def continual_results(exp: Experiment, runs_dir: Path, jobs: int, quick: bool, quiet: bool = False,
+                      recorded: Path | None = None) -> dict[str, Any]:
     """The continual JSON body: panels "first reading", "second reading" (bits per byte, lower is better) and "drop"
     (first − second, higher is better) against the gap, one row per model of the source experiment (those of
-    `exp.variants`). The source's runs are trained where missing; each measurement is kept beside them in
+    `exp.variants`). A model whose measurement the JSON at `recorded` holds (same grid, same config) is read back
+    from it; the other source runs are trained where missing, and each measurement is kept beside them in
     `runs_dir/<experiment>` and reused while the run and the grid stay the same."""
     grid = exp.continual
     source = load_experiment(grid.source, quick=quick)
     runs = [run for run in expand(source) if run.config.model.variant in exp.variants]
     if not runs:
         raise ValueError(f"experiment {exp.name}: {grid.source} has no runs of the variants {exp.variants}")
+    kept = recorded_points(recorded, grid.to_dict(), runs)
+    todo = [i for i in range(len(runs)) if i not in kept]
     dirs = [runs_dir / source.name / run.run_id for run in runs]
     if not quiet:
-        print(f"{exp.name}: the {len(runs)} runs of {source.name} (trained where missing), {jobs} at a time",
-              flush=True)
-    summaries = run_parallel(_train_or_error, list(zip([r.config for r in runs], dirs)), [r.run_id for r in runs],
-                             jobs, functools.partial(describe_run, metric=source.metric), quiet)
-    measured = [i for i, summary in enumerate(summaries) if "error" not in summary]
+        print(f"{exp.name}: the {len(runs)} runs of {source.name} ({len(kept)} read back from {recorded}; the rest "
+              f"trained where missing), {jobs} at a time", flush=True)
+    trained = run_parallel(_train_or_error, [(runs[i].config, dirs[i]) for i in todo], [runs[i].run_id for i in todo],
+                           jobs, functools.partial(describe_run, metric=source.metric), quiet)
+    summaries: dict[int, dict[str, Any]] = dict(zip(todo, trained))
+    measured = [i for i, summary in summaries.items() if "error" not in summary]
     calls = [(runs_dir / exp.name / f"{runs[i].run_id}.json", continual_point, str(dirs[i]), grid.to_dict(),
               runs[i].config.to_dict(), summaries[i]["step"], summaries[i]["train_seconds"]) for i in measured]
     points = dict(zip(measured, run_parallel(
@@ -98,7 +127,11 @@ def continual_results(exp: Experiment, runs_dir: Path, jobs: int, quick: bool, q
             add_setting(panels, panel, f"{panel}/{gap}", float(gap), higher_is_better=better)
     per_seed: dict[str, dict[str, list[float | None]]] = {}
     records = {}
-    for i, (run, summary) in enumerate(zip(runs, summaries)):
+    for i, run in enumerate(runs):
+        if i in kept:
+            collect(per_seed, run.model, kept[i]["values"])
+            records[run.run_id] = kept[i]
+            continue
         point = points.get(i)
         values: dict[str, float | None] = {}
         for gap in grid.gaps:
@@ -106,5 +139,5 @@ def continual_results(exp: Experiment, runs_dir: Path, jobs: int, quick: bool, q
             values[f"{READINGS[0]}/{gap}"], values[f"{READINGS[1]}/{gap}"] = first, second
             values[f"drop/{gap}"] = None if point is None else first - second
         collect(per_seed, run.model, values)
-        records[run.run_id] = {**run_record(run, summary, values), "source": f"{source.name}/{run.run_id}"}
+        records[run.run_id] = {**run_record(run, summaries[i], values), "source": f"{source.name}/{run.run_id}"}
     return {"panels": panels, **over_seeds(per_seed), "runs": records, "grid": grid.to_dict()}

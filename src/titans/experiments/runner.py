@@ -59,7 +59,7 @@ def _identity(cfg: TrainConfig) -> dict[str, Any]:
     return identity
 
 
-def _identity_key(cfg: TrainConfig) -> str:
+def identity_key(cfg: TrainConfig) -> str:
     return json.dumps(_identity(cfg), sort_keys=True)
 
 
@@ -257,7 +257,7 @@ def json_records(path: Path) -> tuple[dict[str, Any], str | None]:
         return {}, None
 
 
-def _recorded_config(record: Any) -> TrainConfig | None:
+def recorded_config(record: Any) -> TrainConfig | None:
     """The config a finished record was trained with; None for a failed record or one without a readable config.
     Read as a config: a field added since is at its default (or at its earlier one, where the default changed)."""
     if not isinstance(record, dict) or "error" in record or not isinstance(record.get("config"), dict):
@@ -278,13 +278,13 @@ def recorded_runs(records: dict[str, Any], machine: str | None, exp: Experiment,
     record from before records kept their evaluation is rebuilt from its values."""
     by_identity: dict[str, list[tuple[str, TrainConfig, dict[str, Any]]]] = {}
     for run_id, record in records.items():
-        saved = _recorded_config(record)
+        saved = recorded_config(record)
         if saved is None:
             continue
-        by_identity.setdefault(_identity_key(saved), []).append((run_id, saved, record))
+        by_identity.setdefault(identity_key(saved), []).append((run_id, saved, record))
     known = {}
     for run in runs:
-        same = by_identity.get(_identity_key(run.config), [])
+        same = by_identity.get(identity_key(run.config), [])
         for _, saved, record in sorted(same, key=lambda found: found[0] != run.run_id):  # its own record first
             if record["steps"] < run.config.steps and saved.time_budget_s != run.config.time_budget_s:
                 continue
@@ -315,7 +315,7 @@ def earlier_runs(records: dict[str, Any], machine: str | None, exp: Experiment,
     found = {}
     for run in runs:
         record = records.get(run.run_id)
-        saved = _recorded_config(record)
+        saved = recorded_config(record)
         if saved is None:
             continue
         changes = config_changes(_identity(saved), _identity(run.config))
@@ -413,7 +413,7 @@ def run_experiment(exp: Experiment, results_dir: Path, runs_dir: Path, jobs: int
     if exp.kind == "train":
         body = train_grid(exp, path, runs_dir, jobs, header, quiet, retrain, only)
     elif exp.kind == "continual":
-        body = continual.continual_results(exp, runs_dir, jobs, quick, quiet)
+        body = continual.continual_results(exp, runs_dir, jobs, quick, quiet, recorded=None if retrain else path)
     elif exp.kind == "capacity":
         body = measure.capacity_results(exp, runs_dir / exp.name, jobs, quiet)
     else:
