@@ -25,8 +25,18 @@ from torch import Tensor, nn
 
 from ..tasks.lm import bits_per_byte, repeated_passage_documents
 from ..train.loop import derive_seed, load_trained, streamed
-from .runner import (_train_or_error, add_setting, cached, collect, describe_run, identity_key, over_seeds,
-                     recorded_config, run_parallel, run_record)
+from .runner import (
+    _train_or_error,
+    add_setting,
+    cached,
+    collect,
+    describe_run,
+    identity_key,
+    over_seeds,
+    recorded_config,
+    run_parallel,
+    run_record,
+)
 from .spec import Experiment, Run, expand, load_experiment
 
 CONTINUAL_STREAM = 4  # the documents' seeds: apart from training (1), evaluation (2) and dropout (3)
