@@ -139,8 +139,10 @@ def plot_heatmap(data: dict[str, Any], path: Path) -> None:
     image = ax.imshow(grid, origin="lower", cmap="viridis" if data["higher_is_better"] else "viridis_r")
     for i, row in enumerate(grid):
         for j, value in enumerate(row):
+            red, green, blue, _ = image.cmap(image.norm(value)) if value == value else (0, 0, 0, 1)
+            light = 0.299 * red + 0.587 * green + 0.114 * blue > 0.5  # dark text on the yellow end of viridis
             ax.text(j, i, fmt(value, data["metric"]) if value == value else "-", ha="center", va="center",
-                    fontsize=8, color="white")
+                    fontsize=8, color="black" if light else "white")
     ax.set_xticks(range(len(xs)), [x_text(x) for x in xs])
     ax.set_yticks(range(len(ys)), [x_text(y) for y in ys])
     ax.set_xlabel(data["heatmap"]["x"], fontsize=8)
