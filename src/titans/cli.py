@@ -85,6 +85,9 @@ def train(
             dist.destroy_process_group()
     if lead:
         typer.echo(f"skipped steps (non-finite loss or gradient): {result.skipped_steps} of {result.step}")
+        peak, peak_step = result.peak_grad
+        typer.echo(f"largest gradient norm before clipping: {peak:.4g} at step {peak_step} "
+                   f"(optim.grad_clip {cfg.optim.grad_clip})")
         for length, metrics in result.evaluation.items():
             typer.echo(f"length {length}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
         typer.echo(str(run_dir / "eval.json"))

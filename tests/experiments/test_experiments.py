@@ -108,7 +108,9 @@ def test_quick_results_hold_what_the_issue_names(quick_results):
             exp = load_experiment(data["experiment"], quick=True, folder=FOLDER)
             assert len(data["runs"]) == len(expand(exp))
             for run in data["runs"].values():
-                assert {"config", "num_parameters", "seconds", "seed", "steps"} <= set(run)
+                assert {"config", "num_parameters", "seconds", "seed", "steps", "peak_grad_norm",
+                        "peak_grad_step"} <= set(run)
+                assert run["peak_grad_norm"] > 0 and 1 <= run["peak_grad_step"] <= run["steps"]
                 assert run["steps"] == exp.base["steps"]
                 if "accuracy" in data["metric"]:
                     assert all(0 <= v <= 1 for v in run["values"].values())
@@ -492,6 +494,33 @@ def test_runs_the_time_budget_stopped_short_are_named(quick_results, tmp_path):
     text = write_report(copied, tmp_path / "RESULTS.md").read_text()
     steps = f"({run['steps']} of {run['config']['steps']})"
     assert f"Stopped by the time budget before their steps: {run_id} {steps}" in text
+
+
+def test_the_largest_gradient_norm_of_each_model_is_in_the_table_of_runs(quick_results, tmp_path):
+    """A gradient spike that clipping absorbed is named with its run's seed and step; runs recorded before the
+    field existed show a dash, not a number."""
+    results_dir, _ = quick_results
+    copied = tmp_path / "results"
+    shutil.copytree(results_dir, copied)
+    path = copied / "babilong.json"
+    data = json.loads(path.read_text())
+    model = next(iter(data["runs"].values()))["model"]
+    spiked = [r for r in data["runs"].values() if r["model"] == model]
+    spiked[0].update(peak_grad_norm=1.5e6, peak_grad_step=2)
+    other = next(r for r in data["runs"].values() if r["model"] != model)
+    other.pop("peak_grad_norm"), other.pop("peak_grad_step")
+    others = [r for r in data["runs"].values() if r["model"] == other["model"]]
+    for r in others:
+        r.pop("peak_grad_norm", None), r.pop("peak_grad_step", None)
+    path.write_text(json.dumps(data))
+    text = write_report(copied, tmp_path / "RESULTS.md").read_text()
+    section = text[text.index("## BABILong"):]
+
+    def runs_row(name):  # the table of runs: seven columns
+        return next(line for line in section.splitlines() if line.startswith(f"| {name} |") and line.count("|") == 8)
+
+    assert f"| 1.5e+06 (s{spiked[0]['seed']}: 2) |" in runs_row(model)
+    assert "| — |" in runs_row(other["model"])
 
 
 def test_report_prints_accuracies_to_two_decimals_and_losses_to_three_digits():

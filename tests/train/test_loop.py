@@ -299,6 +299,33 @@ def poison_steps(monkeypatch, steps):
     monkeypatch.setattr(loop, "loss_terms", loss_terms)
 
 
+def test_the_largest_gradient_norm_is_kept_with_its_step_and_survives_a_resume(tiny_config, tmp_path, monkeypatch):
+    """A finite spike (the loss scaled up 10^6 at step 3) is clipped, not skipped, and still seen: the run's largest
+    gradient norm before clipping and its step go to the result, eval.json and the checkpoint."""
+    cfg = load_train_config(tiny_config, ["checkpoint_every=0"])
+    clean = train(cfg, tmp_path / "clean", quiet=True)
+    real = loop.loss_terms
+    calls = {"n": 0}
+
+    def loss_terms(model, batch, device, piece=None, precision="float32"):
+        total, outputs = real(model, batch, device, piece, precision)
+        if torch.is_grad_enabled():
+            calls["n"] += 1
+            if calls["n"] == 3:
+                total = total * 1e6
+        return total, outputs
+
+    monkeypatch.setattr(loop, "loss_terms", loss_terms)
+    result = train(cfg, tmp_path / "run", quiet=True)
+    peak, step = result.peak_grad
+    assert step == 3 and result.skipped_steps == 0
+    assert peak > 1e4 * clean.peak_grad[0] > 0 and clean.peak_grad[1] >= 1
+    saved = json.loads((tmp_path / "run" / "eval.json").read_text())
+    assert (saved["peak_grad_norm"], saved["peak_grad_step"]) == (peak, 3)
+    trainer = Trainer(cfg, tmp_path / "run", quiet=True)
+    assert trainer.resume() and trainer.peak_grad == (peak, 3)
+
+
 def test_non_finite_steps_are_skipped_counted_and_logged(tiny_config, tmp_path, monkeypatch, capsys):
     cfg = load_train_config(tiny_config, ["checkpoint_every=0"])
     clean = train(cfg, tmp_path / "clean", quiet=True)

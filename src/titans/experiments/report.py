@@ -309,6 +309,16 @@ def position_line(data: dict[str, Any], panel: dict[str, Any], name: str) -> str
            f"{x_text(panel['x'][-1])}): " + ", ".join(pairs) + "."
 
 
+def peak_grad(runs: list[dict[str, Any]]) -> str:
+    """The largest gradient norm before clipping over a model's runs, with the seed and step it came at: a spike
+    that clipping absorbed is still seen. "—" where no run recorded it (runs trained before it was kept)."""
+    kept = [r for r in runs if "peak_grad_norm" in r]
+    if not kept:
+        return "—"
+    top = max(kept, key=lambda r: r["peak_grad_norm"])
+    return f"{top['peak_grad_norm']:.3g} (s{top['seed']}: {top['peak_grad_step']})"
+
+
 def run_facts(data: dict[str, Any]) -> str:
     """Parameters, steps and training time per model, from the runs (train experiments), and the runs that the time
     budget stopped before their steps (those had a smaller budget than the rest: the reader must see which)."""
@@ -321,15 +331,15 @@ def run_facts(data: dict[str, Any]) -> str:
                 short.append(f"{run_id} ({run['steps']} of {run['config']['steps']})")
     if not by_model:
         return ""
-    lines = ["| model | parameters | steps (mean) | training seconds (mean) | skipped steps | failed runs |",
-             "|---|---:|---:|---:|---:|---:|"]
+    lines = ["| model | parameters | steps (mean) | training seconds (mean) | skipped steps | largest gradient norm "
+             "(run: step) | failed runs |", "|---|---:|---:|---:|---:|---:|---:|"]
     failed = {m: sum("error" in r for r in data["runs"].values() if r["model"] == m) for m in by_model}
     for model, runs in by_model.items():
         params = sorted({r["num_parameters"] for r in runs})
         shown = f"{params[0]:,}" if len(params) == 1 else f"{params[0]:,}–{params[-1]:,}"
         lines.append(f"| {model} | {shown} | {sum(r['steps'] for r in runs) / len(runs):.0f} | "
                      f"{sum(r['seconds'] for r in runs) / len(runs):.0f} | "
-                     f"{sum(r.get('skipped_steps', 0) for r in runs)} | {failed[model]} |")
+                     f"{sum(r.get('skipped_steps', 0) for r in runs)} | {peak_grad(runs)} | {failed[model]} |")
     if short:
         lines += ["", f"Stopped by the time budget before their steps: {', '.join(short)}."]
     return "\n".join(lines)

@@ -243,6 +243,8 @@ def run_record(run: Run, summary: dict[str, Any], values: dict[str, float | None
             **({"error": summary["error"]} if "error" in summary else {
                 "num_parameters": summary["num_parameters"], "steps": summary["step"],
                 "seconds": round(summary["train_seconds"], 1), "skipped_steps": summary.get("skipped_steps", 0),
+                **({"peak_grad_norm": summary["peak_grad_norm"], "peak_grad_step": summary["peak_grad_step"]}
+                   if "peak_grad_norm" in summary else {}),
                 **({"machine": summary["machine"]} if summary.get("machine") else {}),
                 "evaluation": summary["results"]})}
 
@@ -333,6 +335,7 @@ def summary_of(record: dict[str, Any], run: Run, exp: Experiment, machine: str |
         return None
     return {"results": evaluation, "num_parameters": record["num_parameters"], "step": record["steps"],
             "train_seconds": record["seconds"], "skipped_steps": record.get("skipped_steps", 0),
+            **{key: record[key] for key in ("peak_grad_norm", "peak_grad_step") if key in record},
             "machine": record.get("machine", machine)}
 
 

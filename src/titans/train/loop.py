@@ -442,6 +442,7 @@ class TrainResult:
     seconds: float = 0.0  # training time, evaluation excluded
     num_parameters: int = 0
     skipped_steps: int = 0  # updates skipped for a non-finite loss or gradient
+    peak_grad: tuple[float, int] = (0.0, 0)  # the largest outer gradient norm before clipping, and its step
 
 
 class Trainer:
@@ -490,6 +491,9 @@ class Trainer:
         self.train_seconds = 0.0
         self.skipped_steps = 0  # optimiser steps skipped for a non-finite loss or gradient, in all
         self.skips_in_row = 0  # ... and since the last step taken
+        # The largest finite gradient norm before clipping, and its step: clipping bounds the update a gradient spike
+        # makes, so without this a run whose gradient exploded for a while would look like any other.
+        self.peak_grad: tuple[float, int] = (0.0, 0)
         self.saved_step: int | None = None
         # carry_windows: the states the next step's micro-batches start from (None: fresh), and the sequences of the
         # current block of windows (block index, one batch per micro-batch)
@@ -503,7 +507,7 @@ class Trainer:
         return {"step": self.step, "optimizer": self.optimizer.state_dict(),
                 "rng": {"cpu": torch.get_rng_state(), "cuda": cuda_rng},
                 "train_seconds": self.train_seconds, "skipped_steps": self.skipped_steps,
-                "skips_in_row": self.skips_in_row}
+                "skips_in_row": self.skips_in_row, "peak_grad": list(self.peak_grad)}
 
     def save(self) -> None:
         """Checkpoint the current step (rank 0; once per step)."""
@@ -543,6 +547,7 @@ class Trainer:
         self.step, self.train_seconds = state["step"], state["train_seconds"]
         self.skipped_steps = state["skipped_steps"]
         self.skips_in_row = state.get("skips_in_row", 0)  # absent from checkpoints written before it was kept
+        self.peak_grad = tuple(state.get("peak_grad", (0.0, 0)))  # likewise
         self.carried = load_carried(path, self.device)
         self.saved_step = self.step
         if self.metrics is not None:
@@ -630,6 +635,8 @@ class Trainer:
         for read in steps:
             if read.applied:
                 self.skips_in_row = 0
+                if read.grad_norm > self.peak_grad[0]:
+                    self.peak_grad = (read.grad_norm, read.step)
             else:
                 self._skip(read)
         return steps
@@ -699,11 +706,13 @@ class Trainer:
             (self.run_dir / "eval.json").write_text(json.dumps(
                 {"name": cfg.run_name, "task": cfg.task.name, "train_length": cfg.task.train_length,
                  "step": self.step, "train_seconds": self.train_seconds, "num_parameters": num_parameters,
-                 "skipped_steps": self.skipped_steps,
+                 "skipped_steps": self.skipped_steps, "peak_grad_norm": self.peak_grad[0],
+                 "peak_grad_step": self.peak_grad[1],
                  "results": {str(k): v for k, v in evaluation.items()}}, indent=2))
             self.metrics.close()
         loss = self.last_read.loss if self.last_read is not None else math.nan  # nan: resumed with no step left
-        return TrainResult(self.step, loss, evaluation, self.train_seconds, num_parameters, self.skipped_steps)
+        return TrainResult(self.step, loss, evaluation, self.train_seconds, num_parameters, self.skipped_steps,
+                           self.peak_grad)
 
     def _out_of_time(self) -> bool:
         """Whether training has used up cfg.time_budget_s; under DDP as soon as any rank has (all stop together)."""
