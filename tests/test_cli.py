@@ -263,6 +263,21 @@ def test_evaluations_are_kept_apart_and_survive_pruning(tmp_path, monkeypatch):
     assert result.exit_code == 0 and result.stdout.splitlines()[-1] == str(best / "eval_passkey.json")
 
 
+def test_train_prints_metrics_by_position_and_the_largest_gradient(tmp_path):
+    """An lm-style run evaluates by position (lists in eval.json): the summary prints them, it does not crash after
+    training, and it names the largest gradient norm before clipping."""
+    out = tmp_path / "run"
+    result = runner.invoke(app, ["train", str(TINY), "--out", str(out), "--quiet", "train.steps=2",
+                                 "eval_position_buckets=2"])
+    assert result.exit_code == 0, result.output
+    saved = json.loads((out / "eval.json").read_text())
+    by_position = next(iter(saved["results"].values()))["loss_by_position"]
+    assert len(by_position) == 2
+    assert "loss_by_position [" in result.stdout
+    assert f"largest gradient norm before clipping: {saved['peak_grad_norm']:.4g} at step " \
+           f"{saved['peak_grad_step']}" in result.stdout
+
+
 def test_force_keeps_the_old_run_when_the_training_split_cannot_serve(tmp_path):
     """lm_bytes splits files by a hash of their path: a pattern matching one validation file leaves the training
     split empty, which --force must find before it deletes the old run."""

@@ -89,7 +89,7 @@ def train(
         typer.echo(f"largest gradient norm before clipping: {peak:.4g} at step {peak_step} "
                    f"(optim.grad_clip {cfg.optim.grad_clip})")
         for length, metrics in result.evaluation.items():
-            typer.echo(f"length {length}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+            typer.echo(f"length {length}: " + ", ".join(metric_text(k, v) for k, v in metrics.items()))
         typer.echo(str(run_dir / "eval.json"))
 
 
@@ -169,6 +169,14 @@ def eval_command(
                                "batch_size": batch_size,
                                "results": {str(k): v for k, v in results.items()}}, indent=2))
     typer.echo(str(out))
+
+
+def metric_text(name: str, value: Any) -> str:
+    """One evaluation metric for the terminal: a number, or a list of them (by position; None where a span scored
+    nothing) in brackets."""
+    if isinstance(value, list):
+        return f"{name} [" + " ".join("-" if v is None else f"{v:.4g}" for v in value) + "]"
+    return f"{name} {value:.4f}"
 
 
 def default_eval_path(checkpoint: Path, task: str, split: str | None, seed: int) -> Path:
