@@ -332,7 +332,7 @@ def run_facts(data: dict[str, Any]) -> str:
     if not by_model:
         return ""
     lines = ["| model | parameters | steps (mean) | training seconds (mean) | skipped steps | largest gradient norm "
-             "(run: step) | failed runs |", "|---|---:|---:|---:|---:|---:|---:|"]
+             "(seed: step) | failed runs |", "|---|---:|---:|---:|---:|---:|---:|"]
     failed = {m: sum("error" in r for r in data["runs"].values() if r["model"] == m) for m in by_model}
     for model, runs in by_model.items():
         params = sorted({r["num_parameters"] for r in runs})
