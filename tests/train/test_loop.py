@@ -283,8 +283,9 @@ def test_tensorboard_gets_every_number(tiny_config, tmp_path, monkeypatch):
     assert scalars[-1] == ("closed", -1)
 
 
-def poison_steps(monkeypatch, steps):
-    """Make the training loss NaN at the given (1-based) steps, as an overflow in the backward pass would."""
+def poison_steps(monkeypatch, steps, factor=math.nan):
+    """Multiply the training loss by `factor` at the given (1-based) steps: NaN by default, as an overflow in the
+    backward pass would make it; a large finite factor makes a gradient spike."""
     calls = {"n": 0}
     real = loop.loss_terms
 
@@ -293,7 +294,7 @@ def poison_steps(monkeypatch, steps):
         if torch.is_grad_enabled():  # training, not evaluation
             calls["n"] += 1
             if calls["n"] in steps:
-                total = total * math.nan
+                total = total * factor
         return total, outputs
 
     monkeypatch.setattr(loop, "loss_terms", loss_terms)
@@ -304,18 +305,7 @@ def test_the_largest_gradient_norm_is_kept_with_its_step_and_survives_a_resume(t
     gradient norm before clipping and its step go to the result, eval.json and the checkpoint."""
     cfg = load_train_config(tiny_config, ["checkpoint_every=0"])
     clean = train(cfg, tmp_path / "clean", quiet=True)
-    real = loop.loss_terms
-    calls = {"n": 0}
-
-    def loss_terms(model, batch, device, piece=None, precision="float32"):
-        total, outputs = real(model, batch, device, piece, precision)
-        if torch.is_grad_enabled():
-            calls["n"] += 1
-            if calls["n"] == 3:
-                total = total * 1e6
-        return total, outputs
-
-    monkeypatch.setattr(loop, "loss_terms", loss_terms)
+    poison_steps(monkeypatch, {3}, factor=1e6)
     result = train(cfg, tmp_path / "run", quiet=True)
     peak, step = result.peak_grad
     assert step == 3 and result.skipped_steps == 0

@@ -235,6 +235,10 @@ def trained_on(summaries: list[dict[str, Any]]) -> str | None:
     return machines.most_common(1)[0][0] if machines else None
 
 
+# eval.json's record of the largest gradient norm before clipping and its step (absent from runs trained before it)
+PEAK_GRAD_KEYS = ("peak_grad_norm", "peak_grad_step")
+
+
 def run_record(run: Run, summary: dict[str, Any], values: dict[str, float | None]) -> dict[str, Any]:
     """The JSON's record of one training run: where it sits in the grid, its config, its values and how it trained
     (or its error), with its whole evaluation so that a later run of the grid can read it back (`recorded_runs`)."""
@@ -243,8 +247,7 @@ def run_record(run: Run, summary: dict[str, Any], values: dict[str, float | None
             **({"error": summary["error"]} if "error" in summary else {
                 "num_parameters": summary["num_parameters"], "steps": summary["step"],
                 "seconds": round(summary["train_seconds"], 1), "skipped_steps": summary.get("skipped_steps", 0),
-                **({"peak_grad_norm": summary["peak_grad_norm"], "peak_grad_step": summary["peak_grad_step"]}
-                   if "peak_grad_norm" in summary else {}),
+                **{key: summary[key] for key in PEAK_GRAD_KEYS if key in summary},
                 **({"machine": summary["machine"]} if summary.get("machine") else {}),
                 "evaluation": summary["results"]})}
 
@@ -335,7 +338,7 @@ def summary_of(record: dict[str, Any], run: Run, exp: Experiment, machine: str |
         return None
     return {"results": evaluation, "num_parameters": record["num_parameters"], "step": record["steps"],
             "train_seconds": record["seconds"], "skipped_steps": record.get("skipped_steps", 0),
-            **{key: record[key] for key in ("peak_grad_norm", "peak_grad_step") if key in record},
+            **{key: record[key] for key in PEAK_GRAD_KEYS if key in record},
             "machine": record.get("machine", machine)}
 
 
