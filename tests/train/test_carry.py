@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from titans.models.state_io import state_nodes
 from titans.train import Trainer, load_train_config
 from titans.train.checkpoint import CARRIED_FILE, list_checkpoints
 from titans.train.loop import TRAIN_STREAM, sample_rows
@@ -88,14 +89,7 @@ def test_a_skipped_step_does_not_pass_its_state_on(tiny_config, tmp_path, monkey
 
 
 def _tensors(node):
-    if isinstance(node, torch.Tensor):
-        yield node
-    elif isinstance(node, (list, tuple)):
-        for item in node:
-            yield from _tensors(item)
-    elif hasattr(node, "__dataclass_fields__"):
-        for name in node.__dataclass_fields__:
-            yield from _tensors(getattr(node, name))
+    return [n for n in state_nodes(node) if isinstance(n, torch.Tensor)]
 
 
 @pytest.mark.parametrize("variant", ["lmm", "mac"])

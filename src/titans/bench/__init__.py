@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
@@ -34,13 +35,13 @@ def describe_machine(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
     return f"{described}, {os.cpu_count()} CPUs"
 
 
-def _int_list(text: str, name: str) -> list[int]:
+def _int_list(text: str, name: str, minimum: int = 1) -> list[int]:
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
         raise typer.BadParameter(f"{name} must be comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise typer.BadParameter(f"{name} must be positive integers, got {text!r}")
+    if not values or min(values) < minimum:
+        raise typer.BadParameter(f"{name} must be integers of at least {minimum}, got {text!r}")
     return values
 
 
@@ -278,6 +279,44 @@ def recall(
             "tasks": {t: {"options": TASKS[t].options, "metric": TASKS[t].metric, "about": TASKS[t].about}
                       for t in chosen_tasks},
             "runs": rows}, indent=1))
+        typer.echo(f"wrote {out}")
+
+
+@bench_app.command("backward")
+def backward(
+    checkpoint: Path = typer.Argument(..., help="A checkpoint, or a run directory (its latest checkpoint)."),
+    steps: Optional[str] = typer.Option(None, help="Training steps whose batches to replay, comma-separated "
+                                                   "(default: the checkpoint's own step, the batch it trained on "
+                                                   "next); each from the checkpoint's weights."),
+    piece: Optional[int] = typer.Option(None, min=1, help="Positions per call, a boundary after each (default: "
+                                                          "MAC's segment, else the memory's chunk)."),
+    overrides: Optional[list[str]] = typer.Option(None, "--set", help="Replay under another rule, a model field that "
+                                                                      "keeps the parameters' shapes: "
+                                                                      "model.memory_max_grad_norm=1"),
+    out: Optional[Path] = typer.Option(None, help="Write the replays as JSON here."),
+) -> None:
+    """The memory's backward pass on a trained checkpoint: per block, the gradient of the training loss with respect
+    to the memory state at every segment boundary, the loss and the gradient norm before clipping."""
+    import sys
+
+    from .backward import replay
+
+    chosen = _int_list(steps, "steps", minimum=0) if steps else None
+    try:
+        path, cfg, replays = replay(checkpoint, chosen, piece, overrides or [])
+    except (ValueError, FileNotFoundError) as err:
+        raise typer.BadParameter(str(err)) from None
+    typer.echo(f"machine: {describe_machine()}; {path} ({cfg.model.variant}, seed {cfg.seed})"
+               + (f"; changed: {', '.join(overrides)}" if overrides else ""))
+    for r in replays:
+        typer.echo(f"step {r.step}: loss {r.loss:.4f}, gradient norm before clipping {r.grad_norm:.4g}, largest "
+                   f"growth per segment back, per block: "
+                   + ", ".join("-" if g is None else f"{g:.3g}" for g in r.growth()))
+    if out is not None:
+        out.write_text(json.dumps({"command": "titans " + " ".join(sys.argv[1:]), "machine": describe_machine(),
+                                   "checkpoint": str(path), "overrides": overrides or [],
+                                   "replays": [{**dataclasses.asdict(r), "growth": r.growth()} for r in replays]},
+                                  indent=1))
         typer.echo(f"wrote {out}")
 
 

@@ -90,6 +90,18 @@ def _unflatten(node: dict, tensors: dict[str, Tensor]) -> Any:
     raise ValueError(f"unreadable state node {sorted(node)}")
 
 
+def state_nodes(state: Any) -> Iterator[Any]:
+    """Every node of a state's nesting, depth first, each before what it holds: the state, its dataclasses, the items
+    of its lists and tuples, and their tensors and scalars."""
+    yield state
+    if dataclasses.is_dataclass(state) and not isinstance(state, type):
+        for f in dataclasses.fields(state):
+            yield from state_nodes(getattr(state, f.name))
+    elif isinstance(state, (list, tuple)):
+        for item in state:
+            yield from state_nodes(item)
+
+
 def detached(state: Any) -> Any:
     """`state` with every tensor detached from the graph that computed it, in the same nesting: a stream continued
     from it sends no gradient into the past (truncated backpropagation through time)."""

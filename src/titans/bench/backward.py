@@ -1,0 +1,159 @@
+"""Where does the outer gradient grow? `titans bench backward`: a checkpoint replayed on the batches it trained on.
+
+The memory's forward pass is bounded by construction (DESIGN.md §1, the bounded state), its backward pass is not: the
+chunk-to-chunk map of a deep memory can expand some directions, and the gradient of the training loss then grows with
+every segment it is carried back through. This replay makes that visible for one trained model. It loads a
+checkpoint, draws the training batch of a step exactly as the trainer does (row i from (TRAIN_STREAM, seed, step, i)),
+reads it `piece` positions per call through the recurrent state (the same outputs as one call, tested for every
+variant), and after one backward pass reports, per block, the norm of the loss's gradient with respect to that block's
+memory state (every layer's W and S) at each piece boundary, with the loss and the parameters' gradient norm before
+clipping (the figure the trainer logs). Read from the last boundary back to the first, the norms say how much each
+segment multiplies the gradient on its way back.
+
+`--set model.FIELD=VALUE` replays the same weights under another rule (say `model.memory_max_grad_norm=1` or
+`model.memory_hidden_step=0.1`): the fields that do not change the parameters' shapes, so that a remedy is tried on
+the very weights that showed the growth.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..config import apply_overrides
+from ..memory.layer import MemoryState
+from ..models.state_io import state_nodes
+from ..train.checkpoint import checkpoint_step, load_checkpoint_config, load_weights, resolve_checkpoint
+from ..train.config import TrainConfig
+from ..train.loop import (
+    DROPOUT_STREAM,
+    TRAIN_STREAM,
+    build_model,
+    build_task,
+    derive_seed,
+    position_loss,
+    sample_rows,
+    scored_positions,
+)
+
+
+@dataclass
+class Replay:
+    step: int  # the training step whose batch was replayed (the checkpoint's own step: the batch it trained on next)
+    loss: float  # mean training loss per scored position, as the trainer logs it
+    grad_norm: float  # the parameters' gradient norm before clipping
+    state_grad_norms: list[list[float | None]]  # [block][boundary]: ‖∂loss/∂(W, S)‖ of the memory state after piece i
+
+    def growth(self) -> list[float | None]:
+        """Per block, the largest factor by which one segment multiplied the gradient on its way back (the norm at a
+        boundary over the norm at the next); None for a block without memory or with fewer than two boundaries."""
+        factors = []
+        for norms in self.state_grad_norms:
+            pairs = [(a, b) for a, b in zip(norms, norms[1:]) if a is not None and b]
+            factors.append(max(a / b for a, b in pairs) if pairs else None)
+        return factors
+
+
+def replay_config(checkpoint: Path, overrides: list[str]) -> TrainConfig:
+    """The checkpoint's config with `overrides` applied; only `model.` fields may change (the data and the seed are
+    what make it a replay)."""
+    outside = [item for item in overrides if not item.strip().startswith("model.")]
+    if outside:
+        raise ValueError(f"a replay changes model fields only (model.FIELD=VALUE); got {', '.join(outside)}")
+    cfg = load_checkpoint_config(checkpoint)
+    if cfg.carry_windows != 1:
+        raise ValueError(f"the run reads windows on through its state (carry_windows={cfg.carry_windows}); a replay "
+                         "draws single windows only")
+    return TrainConfig.from_dict(apply_overrides(cfg.to_dict(), overrides))
+
+
+def load_replay(checkpoint: Path, overrides: list[str]) -> tuple[Path, TrainConfig, torch.nn.Module]:
+    """(checkpoint file, config, model in training mode with the checkpoint's weights); a `--set` that changes a
+    parameter's shape is refused, naming it."""
+    path = resolve_checkpoint(checkpoint)
+    cfg = replay_config(path, overrides)
+    if cfg.dtype != "float32" or cfg.device != "cpu":
+        cfg = TrainConfig.from_dict({**cfg.to_dict(), "dtype": "float32", "device": "cpu"})
+    model = build_model(cfg, build_task(cfg))
+    try:
+        load_weights(path, model)
+    except ValueError as err:
+        if not overrides:
+            raise
+        raise ValueError(f"{', '.join(overrides)}: the checkpoint's weights do not fit the changed model; a replay "
+                         f"may change only fields that keep the parameters' shapes ({err})") from None
+    return path, cfg, model.train()
+
+
+def memory_states(state: Any) -> list[MemoryState]:
+    """Every MemoryState inside one block's state, each once (MAC holds the memory twice at a boundary)."""
+    return list({id(node): node for node in state_nodes(state) if isinstance(node, MemoryState)}.values())
+
+
+def state_tensors(block_state: Any) -> list[Tensor]:
+    """The weights and momenta of a block's memory state(s), each tensor once, kept for their gradients."""
+    tensors: dict[int, Tensor] = {}
+    for memory in memory_states(block_state):
+        for t in (*memory.weights, *memory.momentum):
+            if t.requires_grad:
+                tensors.setdefault(id(t), t)
+    for t in tensors.values():
+        t.retain_grad()
+    return list(tensors.values())
+
+
+def grad_norm_of(tensors: list[Tensor]) -> float | None:
+    grads = [t.grad for t in tensors if t.grad is not None]
+    if not grads:
+        return None
+    return math.sqrt(sum(float(g.double().square().sum()) for g in grads))
+
+
+def replay_step(model: torch.nn.Module, cfg: TrainConfig, step: int, piece: int) -> Replay:
+    """One backward pass over step `step`'s training batch, read `piece` positions per call."""
+    task = build_task(cfg)
+    batch = sample_rows(task, range(cfg.batch_size), cfg.task.train_length, TRAIN_STREAM, cfg.seed, step)
+    torch.manual_seed(derive_seed(DROPOUT_STREAM, cfg.seed, step, 0))  # the trainer's dropout masks (rank 0)
+    model.zero_grad(set_to_none=True)
+    inputs, outputs, boundaries, state = batch.inputs, [], [], None
+    for start in range(0, inputs.shape[1], piece):
+        out, state = model(inputs[:, start:start + piece], state)
+        outputs.append(out)
+        boundaries.append([state_tensors(block) for block in state])
+    count = scored_positions(batch)
+    loss = position_loss(torch.cat(outputs, 1), batch, torch.device("cpu"), torch.float32) / count
+    loss.backward()
+    grad_norm = math.sqrt(sum(float(p.grad.double().square().sum()) for p in model.parameters() if p.grad is not None))
+    blocks = len(boundaries[0])
+    norms = [[grad_norm_of(boundary[b]) for boundary in boundaries[:-1]] for b in range(blocks)]
+    return Replay(step, loss.item(), grad_norm, norms)
+
+
+def check_piece(cfg: TrainConfig, piece: int) -> None:
+    """`piece` must leave the outputs those of one call: a multiple of the chunk (and of MAC's segment)."""
+    unit = cfg.model.chunk_size
+    if cfg.model.variant == "mac":
+        unit = math.lcm(unit, cfg.model.segment_len)
+    if piece % unit:
+        raise ValueError(f"piece {piece} must be a multiple of {unit} (the memory's chunk"
+                         f"{' and MAC segment' if cfg.model.variant == 'mac' else ''}), so that the replay reads "
+                         "the sequence as training did")
+
+
+def replay(checkpoint: Path, steps: list[int] | None, piece: int | None,
+           overrides: list[str]) -> tuple[Path, TrainConfig, list[Replay]]:
+    """Replay `steps` (default: the checkpoint's own step) of the run a checkpoint belongs to, every one from the
+    checkpoint's weights."""
+    path, cfg, model = load_replay(checkpoint, overrides)
+    if cfg.model.variant not in ("lmm", "mac", "mag", "mal"):
+        raise ValueError(f"{cfg.model.variant} has no neural memory; the replay measures the memory's backward pass")
+    piece = piece or (cfg.model.segment_len if cfg.model.variant == "mac" else cfg.model.chunk_size)
+    check_piece(cfg, piece)
+    chosen = steps if steps else [checkpoint_step(path)]
+    return path, cfg, [replay_step(model, cfg, step, piece) for step in chosen]
+

@@ -1,0 +1,124 @@
+"""`titans bench backward`: a checkpoint replayed on its training batches, held to the trainer's own log and to a
+plain recomputation of the state's gradient."""
+
+import json
+import math
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from titans.bench.backward import Replay, load_replay, replay, replay_step
+from titans.cli import app
+from titans.train import train
+from titans.train.config import TrainConfig
+from titans.train.loop import TRAIN_STREAM, build_task, position_loss, sample_rows, scored_positions
+
+
+def tiny_run(tmp_path, variant: str, **model) -> TrainConfig:
+    """Three steps of a two-block model, a checkpoint after each, every step logged."""
+    cfg = TrainConfig.from_dict({
+        "name": "tiny", "model": {"variant": variant, "dim": 16, "depth": 2, "heads": 2, "chunk_size": 4,
+                                  "segment_len": 8, "window": 8, "n_persistent": 2, "memory_expansion": 2, **model},
+        "task": {"name": "passkey", "options": {"vocab": 24, "num_values": 8}, "train_length": 32,
+                 "eval_lengths": [32]},
+        "optim": {"lr": 0.01, "warmup_steps": 1}, "steps": 3, "batch_size": 4, "eval_batches": 1,
+        "eval_batch_size": 4, "checkpoint_every": 1, "keep_checkpoints": 5, "log_every": 1, "threads": 1,
+        "tensorboard": False})
+    train(cfg, tmp_path / "run", quiet=True)
+    return cfg
+
+
+def logged(run_dir, step: int) -> dict:
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if record.get("step") == step and "grad_norm" in record:
+            return record
+    raise AssertionError(f"no training record of step {step}")
+
+
+@pytest.mark.parametrize("variant", ["mac", "lmm", "mag", "mal"])
+def test_replay_is_the_step_the_trainer_took(tmp_path, variant):
+    """From the checkpoint after step 1, the batch of step index 1 gives the loss and the gradient norm before
+    clipping that the trainer logged for its second step."""
+    tiny_run(tmp_path, variant)
+    _, _, (r,) = replay(tmp_path / "run" / "checkpoints" / "step_0000001", [1], None, [])
+    record = logged(tmp_path / "run", 2)
+    assert r.step == 1
+    assert r.loss == pytest.approx(record["loss"], rel=1e-5)
+    assert r.grad_norm == pytest.approx(record["grad_norm"], rel=1e-4)
+
+
+def test_state_gradient_is_the_gradient_of_the_rest_of_the_sequence(tmp_path):
+    """The norm at boundary i is ‖∂loss/∂state_i‖: recomputed by cutting the stream at i and continuing it from
+    leaf copies of the state (only the pieces after i depend on it)."""
+    tiny_run(tmp_path, "lmm", depth=1)
+    path, cfg, model = load_replay(tmp_path / "run", [])
+    piece = cfg.model.chunk_size
+    r = replay_step(model, cfg, 2, piece)
+    batch = sample_rows(build_task(cfg), range(cfg.batch_size), cfg.task.train_length, TRAIN_STREAM, cfg.seed, 2)
+    cut = 3  # boundary after the fourth piece
+    inputs, outputs, state = batch.inputs, [], None
+    for start in range(0, inputs.shape[1], piece):
+        out, state = model(inputs[:, start:start + piece], state)
+        if start // piece == cut:
+            memory = state[0]
+            leaves = [t.detach().requires_grad_() for t in (*memory.weights, *memory.momentum)]
+            depth = len(memory.weights)
+            state = [type(memory)(**{**memory.__dict__, "weights": leaves[:depth], "momentum": leaves[depth:]})]
+        outputs.append(out)
+    loss = position_loss(torch.cat(outputs, 1), batch, torch.device("cpu"), torch.float32) / scored_positions(batch)
+    grads = torch.autograd.grad(loss, leaves)
+    expected = math.sqrt(sum(float(g.double().square().sum()) for g in grads))
+    assert r.state_grad_norms[0][cut] == pytest.approx(expected, rel=1e-5)
+    assert len(r.state_grad_norms) == cfg.model.depth == 1
+    assert len(r.state_grad_norms[0]) == cfg.task.train_length // piece - 1  # the last boundary has nothing after it
+    assert all(n is not None and n > 0 for n in r.state_grad_norms[0])
+
+
+def test_growth_is_the_largest_factor_one_segment_multiplies_the_gradient():
+    r = Replay(0, 1.0, 1.0, [[8.0, 2.0, 1.0], [None, 1.0, 3.0], [5.0]])
+    assert r.growth() == [4.0, pytest.approx(1 / 3), None]
+
+
+def test_set_replays_the_same_weights_under_another_rule(tmp_path):
+    tiny_run(tmp_path, "mac")
+    _, cfg, model = load_replay(tmp_path / "run", ["model.memory_hidden_step=0.1"])
+    _, _, plain = load_replay(tmp_path / "run", [])
+    assert cfg.model.memory_hidden_step == 0.1
+    for a, b in zip(model.state_dict().values(), plain.state_dict().values()):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("overrides, piece, message", [
+    (["optim.lr=1"], None, "model fields only"),
+    (["model.dim=32"], None, "model.dim=32: .* keep the parameters' shapes"),
+    ([], 4, "multiple of 8"),
+])
+def test_bad_replays_are_refused(tmp_path, overrides, piece, message):
+    tiny_run(tmp_path, "mac")
+    with pytest.raises((ValueError, RuntimeError), match=message):
+        replay(tmp_path / "run", None, piece, overrides)
+
+
+def test_a_model_without_memory_is_refused(tmp_path):
+    tiny_run(tmp_path, "swa")
+    with pytest.raises(ValueError, match="no neural memory"):
+        replay(tmp_path / "run", None, None, [])
+
+
+def test_cli_writes_the_replays_and_refuses_bad_input(tmp_path):
+    tiny_run(tmp_path, "mac")
+    out = tmp_path / "backward.json"
+    result = CliRunner().invoke(app, ["bench", "backward", str(tmp_path / "run"), "--steps", "0,2",
+                                      "--set", "model.memory_max_grad_norm=1", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    assert [r["step"] for r in data["replays"]] == [0, 2] and data["overrides"] == ["model.memory_max_grad_norm=1"]
+    assert all(len(r["state_grad_norms"]) == 2 and len(r["growth"]) == 2 for r in data["replays"])
+    assert "step 2: loss" in result.output
+    bad = CliRunner().invoke(app, ["bench", "backward", str(tmp_path / "run"), "--piece", "3", "--out",
+                                   str(tmp_path / "bad.json")])
+    assert bad.exit_code != 0 and "multiple of 8" in bad.output and not (tmp_path / "bad.json").exists()
+    missing = CliRunner().invoke(app, ["bench", "backward", str(tmp_path / "nowhere")])
+    assert missing.exit_code != 0
