@@ -76,6 +76,19 @@ def test_state_gradient_is_the_gradient_of_the_rest_of_the_sequence(tmp_path):
     assert all(n is not None and n > 0 for n in r.state_grad_norms[0])
 
 
+def test_float64_replay_is_the_same_step_in_double_precision(tmp_path):
+    """On a healthy model the exact (float64) replay and the float32 one agree; the JSON names the precision."""
+    tiny_run(tmp_path, "mac")
+    _, _, (single,) = replay(tmp_path / "run", [2], None, [])
+    _, _, (double,) = replay(tmp_path / "run", [2], None, [], torch.float64)
+    assert double.loss == pytest.approx(single.loss, rel=1e-5)
+    assert double.grad_norm == pytest.approx(single.grad_norm, rel=1e-4)
+    out = tmp_path / "double.json"
+    result = CliRunner().invoke(app, ["bench", "backward", str(tmp_path / "run"), "--float64", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert json.loads(out.read_text())["dtype"] == "float64" and "float64" in result.output
+
+
 def test_growth_is_the_largest_factor_one_segment_multiplies_the_gradient():
     r = Replay(0, 1.0, 1.0, [[8.0, 2.0, 1.0], [None, 1.0, 3.0], [5.0]])
     assert r.growth() == [4.0, pytest.approx(1 / 3), None]

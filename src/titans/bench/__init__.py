@@ -293,20 +293,27 @@ def backward(
     overrides: Optional[list[str]] = typer.Option(None, "--set", help="Replay under another rule, a model field that "
                                                                       "keeps the parameters' shapes: "
                                                                       "model.memory_max_grad_norm=1"),
+    float64: bool = typer.Option(False, "--float64", help="Replay in double precision (the exact gradient; float32, "
+                                                           "as trained, also amplifies rounding where the map "
+                                                           "expands)."),
     out: Optional[Path] = typer.Option(None, help="Write the replays as JSON here."),
 ) -> None:
     """The memory's backward pass on a trained checkpoint: per block, the gradient of the training loss with respect
     to the memory state at every segment boundary, the loss and the gradient norm before clipping."""
     import sys
 
+    import torch
+
     from .backward import replay
 
     chosen = _int_list(steps, "steps", minimum=0) if steps else None
+    dtype = torch.float64 if float64 else torch.float32
     try:
-        path, cfg, replays = replay(checkpoint, chosen, piece, overrides or [])
+        path, cfg, replays = replay(checkpoint, chosen, piece, overrides or [], dtype)
     except (ValueError, FileNotFoundError) as err:
         raise typer.BadParameter(str(err)) from None
-    typer.echo(f"machine: {describe_machine()}; {path} ({cfg.model.variant}, seed {cfg.seed})"
+    typer.echo(f"machine: {describe_machine()}; {path} ({cfg.model.variant}, seed {cfg.seed}, "
+               f"{'float64' if float64 else 'float32'})"
                + (f"; changed: {', '.join(overrides)}" if overrides else ""))
     for r in replays:
         typer.echo(f"step {r.step}: loss {r.loss:.4f}, gradient norm before clipping {r.grad_norm:.4g}, largest "
@@ -315,6 +322,7 @@ def backward(
     if out is not None:
         out.write_text(json.dumps({"command": "titans " + " ".join(sys.argv[1:]), "machine": describe_machine(),
                                    "checkpoint": str(path), "overrides": overrides or [],
+                                   "dtype": "float64" if float64 else "float32",
                                    "replays": [{**dataclasses.asdict(r), "growth": r.growth()} for r in replays]},
                                   indent=1))
         typer.echo(f"wrote {out}")

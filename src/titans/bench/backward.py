@@ -10,6 +10,9 @@ memory state (every layer's W and S) at each piece boundary, with the loss and t
 clipping (the figure the trainer logs). Read from the last boundary back to the first, the norms say how much each
 segment multiplies the gradient on its way back.
 
+`--float64` replays in double precision: where the map expands, the backward pass amplifies float32's rounding as
+well as the gradient, so the float32 figure (what training saw) can be far from the exact one.
+
 `--set model.FIELD=VALUE` replays the same weights under another rule (say `model.memory_max_grad_norm=1` or
 `model.memory_hidden_step=0.1`): the fields that do not change the parameters' shapes, so that a remedy is tried on
 the very weights that showed the growth.
@@ -72,7 +75,8 @@ def replay_config(checkpoint: Path, overrides: list[str]) -> TrainConfig:
     return TrainConfig.from_dict(apply_overrides(cfg.to_dict(), overrides))
 
 
-def load_replay(checkpoint: Path, overrides: list[str]) -> tuple[Path, TrainConfig, torch.nn.Module]:
+def load_replay(checkpoint: Path, overrides: list[str],
+                dtype: torch.dtype = torch.float32) -> tuple[Path, TrainConfig, torch.nn.Module]:
     """(checkpoint file, config, model in training mode with the checkpoint's weights); a `--set` that changes a
     parameter's shape is refused, naming it."""
     path = resolve_checkpoint(checkpoint)
@@ -87,7 +91,7 @@ def load_replay(checkpoint: Path, overrides: list[str]) -> tuple[Path, TrainConf
             raise
         raise ValueError(f"{', '.join(overrides)}: the checkpoint's weights do not fit the changed model; a replay "
                          f"may change only fields that keep the parameters' shapes ({err})") from None
-    return path, cfg, model.train()
+    return path, cfg, model.to(dtype).train()
 
 
 def memory_states(state: Any) -> list[MemoryState]:
@@ -115,7 +119,7 @@ def grad_norm_of(tensors: list[Tensor]) -> float | None:
 
 
 def replay_step(model: torch.nn.Module, cfg: TrainConfig, step: int, piece: int) -> Replay:
-    """One backward pass over step `step`'s training batch, read `piece` positions per call."""
+    """One backward pass over step `step`'s training batch, read `piece` positions per call, in the model's dtype."""
     task = build_task(cfg)
     batch = sample_rows(task, range(cfg.batch_size), cfg.task.train_length, TRAIN_STREAM, cfg.seed, step)
     torch.manual_seed(derive_seed(DROPOUT_STREAM, cfg.seed, step, 0))  # the trainer's dropout masks (rank 0)
@@ -126,7 +130,8 @@ def replay_step(model: torch.nn.Module, cfg: TrainConfig, step: int, piece: int)
         outputs.append(out)
         boundaries.append([state_tensors(block) for block in state])
     count = scored_positions(batch)
-    loss = position_loss(torch.cat(outputs, 1), batch, torch.device("cpu"), torch.float32) / count
+    dtype = next(model.parameters()).dtype
+    loss = position_loss(torch.cat(outputs, 1), batch, torch.device("cpu"), dtype) / count
     loss.backward()
     grad_norm = math.sqrt(sum(float(p.grad.double().square().sum()) for p in model.parameters() if p.grad is not None))
     blocks = len(boundaries[0])
@@ -145,11 +150,11 @@ def check_piece(cfg: TrainConfig, piece: int) -> None:
                          "the sequence as training did")
 
 
-def replay(checkpoint: Path, steps: list[int] | None, piece: int | None,
-           overrides: list[str]) -> tuple[Path, TrainConfig, list[Replay]]:
+def replay(checkpoint: Path, steps: list[int] | None, piece: int | None, overrides: list[str],
+           dtype: torch.dtype = torch.float32) -> tuple[Path, TrainConfig, list[Replay]]:
     """Replay `steps` (default: the checkpoint's own step) of the run a checkpoint belongs to, every one from the
     checkpoint's weights."""
-    path, cfg, model = load_replay(checkpoint, overrides)
+    path, cfg, model = load_replay(checkpoint, overrides, dtype)
     if cfg.model.variant not in ("lmm", "mac", "mag", "mal"):
         raise ValueError(f"{cfg.model.variant} has no neural memory; the replay measures the memory's backward pass")
     piece = piece or (cfg.model.segment_len if cfg.model.variant == "mac" else cfg.model.chunk_size)
