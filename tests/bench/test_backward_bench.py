@@ -8,7 +8,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from titans.bench.backward import Replay, load_replay, replay, replay_step
+from titans.bench.backward import Replay, load_replay, read_in_pieces, replay, replay_step, update_chain
 from titans.cli import app
 from titans.train import train
 from titans.train.config import TrainConfig
@@ -90,8 +90,36 @@ def test_float64_replay_is_the_same_step_in_double_precision(tmp_path):
 
 
 def test_growth_is_the_largest_factor_one_segment_multiplies_the_gradient():
-    r = Replay(0, 1.0, 1.0, [[8.0, 2.0, 1.0], [None, 1.0, 3.0], [5.0]])
+    r = Replay(0, 1.0, 1.0, [[8.0, 2.0, 1.0], [None, 1.0, 3.0], [5.0]], [[1.0, 1.0, 1.0], [9.0, 3.0, 3.0], [None]])
     assert r.growth() == [4.0, pytest.approx(1 / 3), None]
+    assert r.update_growth() == [1.0, 3.0, None]
+
+
+@pytest.mark.parametrize("variant", ["mac", "lmm", "mag", "mal"])
+def test_the_memory_alone_fed_its_recorded_writes_carries_the_model_states(tmp_path, variant):
+    """The update-alone chain is the memory's part of the model's recurrence: from the state after the first piece,
+    the recorded write inputs alone give the states the model carried at every later boundary (float64)."""
+    tiny_run(tmp_path, variant)
+    _, cfg, model = load_replay(tmp_path / "run", [], torch.float64)
+    batch = sample_rows(build_task(cfg), range(cfg.batch_size), cfg.task.train_length, TRAIN_STREAM, cfg.seed, 1)
+    memories, _, boundaries, writes = read_in_pieces(model, batch.inputs, 8)
+    assert len(memories) == cfg.model.depth == len(writes) and all(len(w) == len(boundaries) for w in writes)
+    for b, memory in enumerate(memories):
+        chain = update_chain(memory, writes[b][1:], boundaries[0][b][0][0])
+        for state, boundary in zip(chain, boundaries):
+            (carried,) = boundary[b][0]
+            for ours, theirs in zip((*state.weights, *state.momentum), (*carried.weights, *carried.momentum)):
+                torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-12)
+
+
+def test_the_update_alone_starts_from_the_full_gradient_at_the_last_boundary(tmp_path):
+    tiny_run(tmp_path, "mac")
+    _, cfg, model = load_replay(tmp_path / "run", [], torch.float64)
+    r = replay_step(model, cfg, 2, 8)
+    assert len(r.update_grad_norms) == len(r.state_grad_norms) == 2
+    for full, alone in zip(r.state_grad_norms, r.update_grad_norms):
+        assert len(alone) == len(full) and alone[-1] == pytest.approx(full[-1], rel=1e-12)
+        assert all(n is not None and math.isfinite(n) for n in alone)
 
 
 def test_set_replays_the_same_weights_under_another_rule(tmp_path):
@@ -128,7 +156,8 @@ def test_cli_writes_the_replays_and_refuses_bad_input(tmp_path):
     assert result.exit_code == 0, result.output
     data = json.loads(out.read_text())
     assert [r["step"] for r in data["replays"]] == [0, 2] and data["overrides"] == ["model.memory_max_grad_norm=1"]
-    assert all(len(r["state_grad_norms"]) == 2 and len(r["growth"]) == 2 for r in data["replays"])
+    assert all(len(r["state_grad_norms"]) == len(r["update_grad_norms"]) == 2 and len(r["growth"]) == 2
+               and len(r["update_growth"]) == 2 for r in data["replays"])
     assert "step 2: loss" in result.output
     bad = CliRunner().invoke(app, ["bench", "backward", str(tmp_path / "run"), "--piece", "3", "--out",
                                    str(tmp_path / "bad.json")])

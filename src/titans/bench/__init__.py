@@ -315,15 +315,19 @@ def backward(
     typer.echo(f"machine: {describe_machine()}; {path} ({cfg.model.variant}, seed {cfg.seed}, "
                f"{'float64' if float64 else 'float32'})"
                + (f"; changed: {', '.join(overrides)}" if overrides else ""))
+    def factors(values: list[float | None]) -> str:
+        return ", ".join("-" if g is None else f"{g:.3g}" for g in values)
+
     for r in replays:
-        typer.echo(f"step {r.step}: loss {r.loss:.4f}, gradient norm before clipping {r.grad_norm:.4g}, largest "
-                   f"growth per segment back, per block: "
-                   + ", ".join("-" if g is None else f"{g:.3g}" for g in r.growth()))
+        typer.echo(f"step {r.step}: loss {r.loss:.4f}, gradient norm before clipping {r.grad_norm:.4g}; largest "
+                   f"growth per segment back, per block: {factors(r.growth())} (the memory's update alone: "
+                   f"{factors(r.update_growth())})")
     if out is not None:
         out.write_text(json.dumps({"command": "titans " + " ".join(sys.argv[1:]), "machine": describe_machine(),
                                    "checkpoint": str(path), "overrides": overrides or [],
                                    "dtype": "float64" if float64 else "float32",
-                                   "replays": [{**dataclasses.asdict(r), "growth": r.growth()} for r in replays]},
+                                   "replays": [{**dataclasses.asdict(r), "growth": r.growth(),
+                                                "update_growth": r.update_growth()} for r in replays]},
                                   indent=1))
         typer.echo(f"wrote {out}")
 

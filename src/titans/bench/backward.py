@@ -20,6 +20,7 @@ the very weights that showed the growth.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,8 +30,8 @@ import torch
 from torch import Tensor
 
 from ..config import apply_overrides
-from ..memory.layer import MemoryState
-from ..models.state_io import state_nodes
+from ..memory.layer import MemoryState, NeuralMemory
+from ..models.state_io import detached, state_nodes
 from ..train.checkpoint import checkpoint_step, load_checkpoint_config, load_weights, resolve_checkpoint
 from ..train.config import TrainConfig
 from ..train.loop import (
@@ -51,15 +52,23 @@ class Replay:
     loss: float  # mean training loss per scored position, as the trainer logs it
     grad_norm: float  # the parameters' gradient norm before clipping
     state_grad_norms: list[list[float | None]]  # [block][boundary]: ‖∂loss/∂(W, S)‖ of the memory state after piece i
+    # [block][boundary]: the last boundary's gradient carried back through the block's memory update alone, its write
+    # inputs held as the model produced them (no path through the rest of the model)
+    update_grad_norms: list[list[float | None]]
 
     def growth(self) -> list[float | None]:
         """Per block, the largest factor by which one segment multiplied the gradient on its way back (the norm at a
         boundary over the norm at the next); None for a block without memory or with fewer than two boundaries."""
-        factors = []
-        for norms in self.state_grad_norms:
-            pairs = [(a, b) for a, b in zip(norms, norms[1:]) if a is not None and b]
-            factors.append(max(a / b for a, b in pairs) if pairs else None)
-        return factors
+        return [largest_factor(norms) for norms in self.state_grad_norms]
+
+    def update_growth(self) -> list[float | None]:
+        """`growth` of the memory's update alone (`update_grad_norms`)."""
+        return [largest_factor(norms) for norms in self.update_grad_norms]
+
+
+def largest_factor(norms: list[float | None]) -> float | None:
+    pairs = [(a, b) for a, b in zip(norms, norms[1:]) if a is not None and b]
+    return max(a / b for a, b in pairs) if pairs else None
 
 
 def replay_config(checkpoint: Path, overrides: list[str]) -> TrainConfig:
@@ -119,24 +128,77 @@ def grad_norm_of(tensors: list[Tensor]) -> float | None:
 
 
 def replay_step(model: torch.nn.Module, cfg: TrainConfig, step: int, piece: int) -> Replay:
-    """One backward pass over step `step`'s training batch, read `piece` positions per call, in the model's dtype."""
+    """One backward pass over step `step`'s training batch, read `piece` positions per call, in the model's dtype;
+    then, per block, the last boundary's gradient carried back through the memory's update alone."""
     task = build_task(cfg)
     batch = sample_rows(task, range(cfg.batch_size), cfg.task.train_length, TRAIN_STREAM, cfg.seed, step)
     torch.manual_seed(derive_seed(DROPOUT_STREAM, cfg.seed, step, 0))  # the trainer's dropout masks (rank 0)
     model.zero_grad(set_to_none=True)
-    inputs, outputs, boundaries, state = batch.inputs, [], [], None
-    for start in range(0, inputs.shape[1], piece):
-        out, state = model(inputs[:, start:start + piece], state)
-        outputs.append(out)
-        boundaries.append([state_tensors(block) for block in state])
+    memories, outputs, boundaries, writes = read_in_pieces(model, batch.inputs, piece)
     count = scored_positions(batch)
     dtype = next(model.parameters()).dtype
     loss = position_loss(torch.cat(outputs, 1), batch, torch.device("cpu"), dtype) / count
     loss.backward()
     grad_norm = math.sqrt(sum(float(p.grad.double().square().sum()) for p in model.parameters() if p.grad is not None))
     blocks = len(boundaries[0])
-    norms = [[grad_norm_of(boundary[b]) for boundary in boundaries[:-1]] for b in range(blocks)]
-    return Replay(step, loss.item(), grad_norm, norms)
+    norms = [[grad_norm_of(boundary[b][1]) for boundary in boundaries[:-1]] for b in range(blocks)]
+    one_per_block = len(memories) == blocks and all(len(w) == len(boundaries) for w in writes)
+    update = [update_grad_norms(memories[b], writes[b], [boundary[b][0] for boundary in boundaries[:-1]])
+              if one_per_block else [None] * (len(boundaries) - 1) for b in range(blocks)]
+    return Replay(step, loss.item(), grad_norm, norms, update)
+
+
+def read_in_pieces(model: torch.nn.Module, inputs: Tensor, piece: int) -> tuple[
+        list[NeuralMemory], list[Tensor], list[list[tuple[list[MemoryState], list[Tensor]]]], list[list[Tensor]]]:
+    """Read `inputs` `piece` positions per call through the recurrent state: (the model's memories, one per block in
+    block order; the outputs of each call; per boundary and block, the memory states and their tensors, kept for
+    their gradients; per block, the input of each write call, detached)."""
+    memories = [m for m in model.modules() if isinstance(m, NeuralMemory)]
+    writes: list[list[Tensor]] = [[] for _ in memories]
+    hooks = [m.register_forward_pre_hook(lambda _, args, i=i: writes[i].append(args[0].detach()))
+             for i, m in enumerate(memories)]
+    outputs, boundaries, state = [], [], None
+    try:
+        for start in range(0, inputs.shape[1], piece):
+            out, state = model(inputs[:, start:start + piece], state)
+            outputs.append(out)
+            boundaries.append([(memory_states(block), state_tensors(block)) for block in state])
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return memories, outputs, boundaries, writes
+
+
+def update_grad_norms(memory: NeuralMemory, writes: list[Tensor],
+                      states: list[list[MemoryState]]) -> list[float | None]:
+    """‖g_i‖ at every boundary i, where g at the last boundary is the full backward pass's gradient there and g_i is
+    it carried back through the memory's own update, state_i → state_{i+1} with the write inputs of pieces i+1...
+    held as recorded: the part of the growth that the update rule makes by itself, without the rest of the model
+    (MAC's read, attention and write; the blocks above). Needs one memory state per boundary and a gradient at the
+    last one; otherwise Nones."""
+    last = states[-1]
+    if any(len(found) != 1 for found in states) or any(t.grad is None for t in (*last[0].weights, *last[0].momentum)):
+        return [None] * len(states)
+    seed = [t.grad for t in (*last[0].weights, *last[0].momentum)]
+    with torch.enable_grad():
+        chain = update_chain(memory, writes[1:len(states)], states[0][0])
+        kept = [[*state.weights, *state.momentum] for state in chain]
+        for t in (t for tensors in kept[1:] for t in tensors):
+            t.retain_grad()
+        sum((t * g).sum() for t, g in zip(kept[-1], seed)).backward()
+    return [grad_norm_of(tensors) for tensors in kept]
+
+
+def update_chain(memory: NeuralMemory, writes: list[Tensor], start: MemoryState) -> list[MemoryState]:
+    """`start`, detached, with its weights and momenta made leaves that take gradients, then the state after each
+    write of `writes` in turn, through `memory` alone."""
+    start = detached(start)
+    depth = len(start.weights)
+    leaves = [t.requires_grad_() for t in (*start.weights, *start.momentum)]
+    chain = [dataclasses.replace(start, weights=tuple(leaves[:depth]), momentum=tuple(leaves[depth:]))]
+    for x in writes:
+        chain.append(memory(x, chain[-1])[1])
+    return chain
 
 
 def check_piece(cfg: TrainConfig, piece: int) -> None:
