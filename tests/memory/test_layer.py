@@ -30,10 +30,14 @@ OPTION_SETS = {
     "constant gates": {"gates": "constant", "init_theta": 0.5, "init_eta": 0.9, "init_alpha": 1e-3},
     "hidden layers at 0.3 θ": {"hidden_step": 0.3, "depth": 3, "expansion": 2},
     "channel-wise forgetting": {"forgetting_channels": True},
+    # θ_t ≤ κ (1 − η_t): κ small enough to bind on some tokens of these gates, and through the surprise gate
+    "bounded momentum gain": {"max_momentum_step": 0.2},
+    "bounded momentum gain, surprise gate": {"max_momentum_step": 0.2, "surprise_gate": True},
     "channel-wise forgetting, chunk-pooled": {"forgetting_channels": True, "gate_pooling": "chunk", "depth": 3,
                                               "expansion": 2},
 }
-ABLATIONS = ["linear memory", "no momentum", "no forgetting", "constant gates", "channel-wise forgetting"]
+ABLATIONS = ["linear memory", "no momentum", "no forgetting", "constant gates", "channel-wise forgetting",
+             "bounded momentum gain"]
 
 
 def make_memory(chunk_size=4, **options) -> NeuralMemory:
@@ -193,6 +197,8 @@ def test_bf16_model_keeps_float32_state():
         ({"max_grad_norm": float("inf")}, "max_grad_norm"),
         ({"max_state_norm": 0.0}, "max_state_norm"),
         ({"max_state_norm": float("nan")}, "max_state_norm"),
+        ({"max_momentum_step": 0.0}, "max_momentum_step"),
+        ({"max_momentum_step": float("inf")}, "max_momentum_step"),
         ({"init_eta": 1.0}, "init_eta"),
         ({"init_theta": 1.0}, "init_theta"),
         ({"max_lr": 0.1, "init_theta": 0.2}, "init_theta"),
@@ -212,6 +218,22 @@ def test_init_values_are_the_gates_at_initialisation():
     for gate, value in ((theta, 0.05), (eta, 0.3), (alpha, 3e-4)):
         torch.testing.assert_close(gate, torch.full_like(gate, value))
     assert NeuralMemory(16, max_lr=0.5).to_gates.bias[0].item() == pytest.approx(math.log(0.2 / 0.8))  # 0.2 θ_max
+
+
+@pytest.mark.parametrize("surprise_gate", [False, True])
+def test_bounded_momentum_gain_is_the_smaller_of_the_gate_and_the_bound(surprise_gate):
+    """θ_t under `max_momentum_step` κ is min(θ_t, κ (1 − η_t)): the free gate where it is below the bound (the paper's
+    rule there), the bound where both gates are high; η and α untouched."""
+    free, bounded = make_memory(surprise_gate=surprise_gate), make_memory(surprise_gate=surprise_gate,
+                                                                          max_momentum_step=0.2)
+    logits = torch.randn(2, 2, 9, 3, dtype=DT, generator=torch.Generator().manual_seed(5)) * 3
+    (theta, eta, alpha), (theta_b, eta_b, alpha_b) = free._gate_values(logits), bounded._gate_values(logits)
+    assert torch.equal(eta_b, eta) and torch.equal(alpha_b, alpha)
+    if surprise_gate:
+        surprise = torch.rand(2, 2, 4, dtype=DT)
+        theta, theta_b, eta = theta(surprise, 3, 7), theta_b(surprise, 3, 7), eta[:, :, 3:7]
+    torch.testing.assert_close(theta_b, torch.minimum(theta, 0.2 * (1 - eta)), rtol=0, atol=0)
+    assert (theta_b < theta).any() and (theta_b == theta).any()
 
 
 def test_bad_input_shape():
@@ -326,6 +348,8 @@ def test_ablation_switches_equal_the_token_by_token_rule(name, monkeypatch):
         if name == "constant gates":
             for gate, value in ((theta, 0.5), (eta, 0.9), (alpha, 1e-3)):
                 torch.testing.assert_close(gate, torch.full_like(gate, value), rtol=1e-12, atol=0)
+        if name == "bounded momentum gain":  # θ_t ≤ κ (1 − η_t), binding on some tokens
+            assert (theta <= 0.2 * (1 - eta) + 1e-15).all() and torch.isclose(theta, 0.2 * (1 - eta)).any()
         if name == "channel-wise forgetting":  # one α per output column of each layer, each its own
             assert [a.shape[-1] for a in alpha] == [w.shape[-1] for w in weights] == [32, 8]
             assert all(a.std(-1).min() > 0 for a in alpha)

@@ -96,6 +96,12 @@ class NeuralMemory(nn.Module):
             of each taking its own (see `parallel_memory`); False: the paper's sum of the chunk's gradients.
         hidden_step: ρ, the inner step of every memory layer but the last as a fraction of θ (see
             `parallel_memory`); 1 is the paper's rule, 0 keeps the hidden layers at their learned W_0 at test time.
+        max_momentum_step: κ, a bound on the momentum's gain: θ_t ≤ κ (1 − η_t). Eqs. 13-14 are a heavy ball, and
+            once the surprise has built up a token's gradient moves the memory about θ_t / (1 − η_t); a memory whose
+            gates learn a large θ and an η near 1 together overshoots and rings, bounded forward by the state's
+            ball but expansive backward (DESIGN.md §1, the backward's open item). It binds only where both gates
+            are high, and acts on θ before any chunk path, so every implementation and the token-by-token
+            reference see the same θ. None (default): the paper's free gates.
         learned_init: the memory's initial weights W_0 are parameters of the outer loop (default; the paper is
             silent); False leaves them as initialised (last layer 0), so a read returns only what was written.
         gradients: where each token's inner gradient is taken: "chunk" (at its chunk's starting weights, the
@@ -139,6 +145,7 @@ class NeuralMemory(nn.Module):
         max_state_norm: Optional[float] = 10.0,
         normalize_chunk: bool = True,
         hidden_step: float = 1.0,
+        max_momentum_step: Optional[float] = None,
         learned_init: bool = True,
         implementation: Optional[str] = None,
     ):
@@ -170,6 +177,8 @@ class NeuralMemory(nn.Module):
             raise ValueError(f"gate_pooling must be 'token' or 'chunk', got {gate_pooling!r}")
         if not 0 <= hidden_step <= 1:
             raise ValueError(f"hidden_step must be in [0, 1], got {hidden_step}")
+        if max_momentum_step is not None and not 0 < max_momentum_step < float("inf"):
+            raise ValueError(f"max_momentum_step must be a positive finite number or None, got {max_momentum_step}")
         if gates not in ("data", "constant"):
             raise ValueError(f"gates must be 'data' or 'constant', got {gates!r}")
         if gates == "constant" and surprise_gate:
@@ -190,6 +199,7 @@ class NeuralMemory(nn.Module):
         self.depth, self.chunk_size, self.max_lr = depth, chunk_size, max_lr
         self.activation, self.use_momentum, self.residual = activation, momentum, residual
         self.forgetting, self.gates, self.hidden_step = forgetting, gates, hidden_step
+        self.max_momentum_step = max_momentum_step
         self.forgetting_channels = forgetting_channels
         self.gate_pooling, self.surprise_gate, self.checkpoint_chunks = gate_pooling, surprise_gate, checkpoint_chunks
         self.implementation = implementation
@@ -312,14 +322,21 @@ class NeuralMemory(nn.Module):
         eta = torch.sigmoid(eta_logit) if self.use_momentum else torch.zeros_like(eta_logit)
         alpha = torch.sigmoid(logits[..., 2:]) if self.forgetting else torch.zeros_like(logits[..., 2:])
         alpha = alpha.split(self.alpha_widths, dim=-1) if self.forgetting_channels else alpha[..., 0]
+        bound = None if self.max_momentum_step is None else self.max_momentum_step * (1 - eta)
         if self.surprise_weight is None:
-            return self.max_lr * torch.sigmoid(theta_logit), eta, alpha
+            return self._bounded_theta(self.max_lr * torch.sigmoid(theta_logit), bound), eta, alpha
         weight = self.surprise_weight.view(1, -1, 1)
 
         def theta(surprise: Tensor, start: int, end: int) -> Tensor:
-            return self.max_lr * torch.sigmoid(theta_logit[:, :, start:end] + weight * torch.log1p(surprise))
+            value = self.max_lr * torch.sigmoid(theta_logit[:, :, start:end] + weight * torch.log1p(surprise))
+            return self._bounded_theta(value, None if bound is None else bound[:, :, start:end])
 
         return theta, eta, alpha
+
+    @staticmethod
+    def _bounded_theta(theta: Tensor, bound: Optional[Tensor]) -> Tensor:
+        """θ_t under the bound on the momentum's gain, min(θ_t, κ (1 − η_t)) (`max_momentum_step`)."""
+        return theta if bound is None else torch.minimum(theta, bound)
 
     def _output(self, y: Tensor, x: Tensor) -> Tensor:
         """W_o (RMSNorm(y) ⊙ SiLU(x W_g)), y per head [B, H, T, d]."""

@@ -35,7 +35,7 @@ def build_gated_deltanet_mixer(cfg: TitansConfig) -> NeuralMemory:
     # The Titans ablation switches (memory_forgetting, memory_gates) do not reach it: it keeps its own gates.
     return build_memory(cfg, depth=1, momentum=False, residual=False, gradients="token", normalize_inputs=False,
                         max_grad_norm=None, max_state_norm=None, normalize_chunk=False, max_lr=0.5, init_theta=0.25,
-                        forgetting=True, forgetting_channels=False, gates="data")
+                        forgetting=True, forgetting_channels=False, gates="data", max_momentum_step=None)
 
 
 @dataclasses.dataclass

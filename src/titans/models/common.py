@@ -22,6 +22,7 @@ def build_memory(cfg: TitansConfig, **overrides: Any) -> NeuralMemory:
         chunk_size=cfg.chunk_size, max_lr=cfg.max_lr, activation=cfg.memory_activation, momentum=cfg.momentum,
         forgetting=cfg.memory_forgetting, forgetting_channels=cfg.memory_forgetting_channels, gates=cfg.memory_gates,
         residual=cfg.memory_residual, hidden_step=cfg.memory_hidden_step, learned_init=cfg.memory_learned_init,
+        max_momentum_step=cfg.memory_max_momentum_step,
         conv_kernel=cfg.conv_kernel, gate_pooling=cfg.gate_pooling, surprise_gate=cfg.surprise_gate,
         init_theta=cfg.memory_init_theta, init_eta=cfg.memory_init_eta, init_alpha=cfg.memory_init_alpha,
         max_grad_norm=cfg.memory_max_grad_norm, max_state_norm=cfg.memory_max_state_norm,

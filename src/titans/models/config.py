@@ -28,10 +28,11 @@ def with_earlier_defaults(model: dict[str, Any]) -> dict[str, Any]:
 # Fields a variant's model never reads: configs that differ only there build the same model (held in
 # tests/models/test_models.py), so the experiment runner reads such a run back as one. Only fields known unread.
 UNREAD_FIELDS: dict[str, frozenset[str]] = {
-    "transformer": frozenset({"memory_residual", "mal_residual", "memory_learned_init"}),
-    "swa": frozenset({"memory_residual", "mal_residual", "memory_learned_init"}),
-    "lstm": frozenset({"memory_residual", "mal_residual", "memory_learned_init"}),
-    "gated_deltanet": frozenset({"memory_residual", "mal_residual"}),  # its memory fixes its own residual
+    "transformer": frozenset({"memory_residual", "mal_residual", "memory_learned_init", "memory_max_momentum_step"}),
+    "swa": frozenset({"memory_residual", "mal_residual", "memory_learned_init", "memory_max_momentum_step"}),
+    "lstm": frozenset({"memory_residual", "mal_residual", "memory_learned_init", "memory_max_momentum_step"}),
+    # its memory fixes its own residual and gates
+    "gated_deltanet": frozenset({"memory_residual", "mal_residual", "memory_max_momentum_step"}),
     "lmm": frozenset({"mal_residual"}),
     "mac": frozenset({"mal_residual"}),
     "mag": frozenset({"mal_residual"}),
@@ -80,6 +81,8 @@ class TitansConfig(Config):
     mal_residual: bool = True
     # ρ: the hidden memory layers' inner step as a fraction of θ (1: the paper)
     memory_hidden_step: float = Field(1.0, ge=0, le=1)
+    # κ: θ_t ≤ κ (1 − η_t), a bound on the momentum's gain (not in the paper; DESIGN.md §1); None: the paper's gates
+    memory_max_momentum_step: Optional[float] = Field(None, gt=0)
     # the memory's initial weights W_0 trained by the outer loop (the paper is silent); False keeps them at their
     # initialisation (last layer 0, earlier layers random), so a read returns only what the memory wrote
     memory_learned_init: bool = True
