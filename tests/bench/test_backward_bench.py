@@ -12,7 +12,7 @@ from titans.bench.backward import Replay, load_replay, read_in_pieces, replay, r
 from titans.cli import app
 from titans.train import train
 from titans.train.config import TrainConfig
-from titans.train.loop import TRAIN_STREAM, build_task, position_loss, sample_rows, scored_positions
+from titans.train.loop import TRAIN_STREAM, position_loss, sample_rows, scored_positions
 
 
 def tiny_run(tmp_path, variant: str, **model) -> TrainConfig:
@@ -53,10 +53,10 @@ def test_state_gradient_is_the_gradient_of_the_rest_of_the_sequence(tmp_path):
     """The norm at boundary i is ‖∂loss/∂state_i‖: recomputed by cutting the stream at i and continuing it from
     leaf copies of the state (only the pieces after i depend on it)."""
     tiny_run(tmp_path, "lmm", depth=1)
-    path, cfg, model = load_replay(tmp_path / "run", [])
+    path, cfg, task, model = load_replay(tmp_path / "run", [])
     piece = cfg.model.chunk_size
-    r = replay_step(model, cfg, 2, piece)
-    batch = sample_rows(build_task(cfg), range(cfg.batch_size), cfg.task.train_length, TRAIN_STREAM, cfg.seed, 2)
+    r = replay_step(model, cfg, task, 2, piece)
+    batch = sample_rows(task, range(cfg.batch_size), cfg.task.train_length, TRAIN_STREAM, cfg.seed, 2)
     cut = 3  # boundary after the fourth piece
     inputs, outputs, state = batch.inputs, [], None
     for start in range(0, inputs.shape[1], piece):
@@ -100,8 +100,8 @@ def test_the_memory_alone_fed_its_recorded_writes_carries_the_model_states(tmp_p
     """The update-alone chain is the memory's part of the model's recurrence: from the state after the first piece,
     the recorded write inputs alone give the states the model carried at every later boundary (float64)."""
     tiny_run(tmp_path, variant)
-    _, cfg, model = load_replay(tmp_path / "run", [], torch.float64)
-    batch = sample_rows(build_task(cfg), range(cfg.batch_size), cfg.task.train_length, TRAIN_STREAM, cfg.seed, 1)
+    _, cfg, task, model = load_replay(tmp_path / "run", [], torch.float64)
+    batch = sample_rows(task, range(cfg.batch_size), cfg.task.train_length, TRAIN_STREAM, cfg.seed, 1)
     memories, _, boundaries, writes = read_in_pieces(model, batch.inputs, 8)
     assert len(memories) == cfg.model.depth == len(writes) and all(len(w) == len(boundaries) for w in writes)
     for b, memory in enumerate(memories):
@@ -114,8 +114,8 @@ def test_the_memory_alone_fed_its_recorded_writes_carries_the_model_states(tmp_p
 
 def test_the_update_alone_starts_from_the_full_gradient_at_the_last_boundary(tmp_path):
     tiny_run(tmp_path, "mac")
-    _, cfg, model = load_replay(tmp_path / "run", [], torch.float64)
-    r = replay_step(model, cfg, 2, 8)
+    _, cfg, task, model = load_replay(tmp_path / "run", [], torch.float64)
+    r = replay_step(model, cfg, task, 2, 8)
     assert len(r.update_grad_norms) == len(r.state_grad_norms) == 2
     for full, alone in zip(r.state_grad_norms, r.update_grad_norms):
         assert len(alone) == len(full) and alone[-1] == pytest.approx(full[-1], rel=1e-12)
@@ -124,8 +124,8 @@ def test_the_update_alone_starts_from_the_full_gradient_at_the_last_boundary(tmp
 
 def test_set_replays_the_same_weights_under_another_rule(tmp_path):
     tiny_run(tmp_path, "mac")
-    _, cfg, model = load_replay(tmp_path / "run", ["model.memory_hidden_step=0.1"])
-    _, _, plain = load_replay(tmp_path / "run", [])
+    _, cfg, _, model = load_replay(tmp_path / "run", ["model.memory_hidden_step=0.1"])
+    _, _, _, plain = load_replay(tmp_path / "run", [])
     assert cfg.model.memory_hidden_step == 0.1
     for a, b in zip(model.state_dict().values(), plain.state_dict().values()):
         assert torch.equal(a, b)

@@ -307,14 +307,14 @@ def backward(
     from .backward import replay
 
     chosen = _int_list(steps, "steps", minimum=0) if steps else None
-    dtype = torch.float64 if float64 else torch.float32
+    precision = "float64" if float64 else "float32"
     try:
-        path, cfg, replays = replay(checkpoint, chosen, piece, overrides or [], dtype)
+        path, cfg, replays = replay(checkpoint, chosen, piece, overrides or [], getattr(torch, precision))
     except (ValueError, FileNotFoundError) as err:
         raise typer.BadParameter(str(err)) from None
-    typer.echo(f"machine: {describe_machine()}; {path} ({cfg.model.variant}, seed {cfg.seed}, "
-               f"{'float64' if float64 else 'float32'})"
+    typer.echo(f"machine: {describe_machine()}; {path} ({cfg.model.variant}, seed {cfg.seed}, {precision})"
                + (f"; changed: {', '.join(overrides)}" if overrides else ""))
+
     def factors(values: list[float | None]) -> str:
         return ", ".join("-" if g is None else f"{g:.3g}" for g in values)
 
@@ -325,7 +325,7 @@ def backward(
     if out is not None:
         out.write_text(json.dumps({"command": "titans " + " ".join(sys.argv[1:]), "machine": describe_machine(),
                                    "checkpoint": str(path), "overrides": overrides or [],
-                                   "dtype": "float64" if float64 else "float32",
+                                   "dtype": precision,
                                    "replays": [{**dataclasses.asdict(r), "growth": r.growth(),
                                                 "update_growth": r.update_growth()} for r in replays]},
                                   indent=1))

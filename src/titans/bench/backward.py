@@ -32,6 +32,7 @@ from torch import Tensor
 from ..config import apply_overrides
 from ..memory.layer import MemoryState, NeuralMemory
 from ..models.state_io import detached, state_nodes
+from ..tasks import Task
 from ..train.checkpoint import checkpoint_step, load_checkpoint_config, load_weights, resolve_checkpoint
 from ..train.config import TrainConfig
 from ..train.loop import (
@@ -78,6 +79,8 @@ def replay_config(checkpoint: Path, overrides: list[str]) -> TrainConfig:
     if outside:
         raise ValueError(f"a replay changes model fields only (model.FIELD=VALUE); got {', '.join(outside)}")
     cfg = load_checkpoint_config(checkpoint)
+    if cfg.model.variant not in ("lmm", "mac", "mag", "mal"):
+        raise ValueError(f"{cfg.model.variant} has no neural memory; the replay measures the memory's backward pass")
     if cfg.carry_windows != 1:
         raise ValueError(f"the run reads windows on through its state (carry_windows={cfg.carry_windows}); a replay "
                          "draws single windows only")
@@ -85,14 +88,15 @@ def replay_config(checkpoint: Path, overrides: list[str]) -> TrainConfig:
 
 
 def load_replay(checkpoint: Path, overrides: list[str],
-                dtype: torch.dtype = torch.float32) -> tuple[Path, TrainConfig, torch.nn.Module]:
-    """(checkpoint file, config, model in training mode with the checkpoint's weights); a `--set` that changes a
-    parameter's shape is refused, naming it."""
+                dtype: torch.dtype = torch.float32) -> tuple[Path, TrainConfig, Task, torch.nn.Module]:
+    """(checkpoint file, config, task, model in training mode with the checkpoint's weights), as `load_trained` but
+    under `overrides`; a `--set` that changes a parameter's shape is refused, naming it."""
     path = resolve_checkpoint(checkpoint)
     cfg = replay_config(path, overrides)
     if cfg.dtype != "float32" or cfg.device != "cpu":
         cfg = TrainConfig.from_dict({**cfg.to_dict(), "dtype": "float32", "device": "cpu"})
-    model = build_model(cfg, build_task(cfg))
+    task = build_task(cfg)
+    model = build_model(cfg, task)
     try:
         load_weights(path, model)
     except ValueError as err:
@@ -100,7 +104,7 @@ def load_replay(checkpoint: Path, overrides: list[str],
             raise
         raise ValueError(f"{', '.join(overrides)}: the checkpoint's weights do not fit the changed model; a replay "
                          f"may change only fields that keep the parameters' shapes ({err})") from None
-    return path, cfg, model.to(dtype).train()
+    return path, cfg, task, model.to(dtype).train()
 
 
 def memory_states(state: Any) -> list[MemoryState]:
@@ -127,10 +131,9 @@ def grad_norm_of(tensors: list[Tensor]) -> float | None:
     return math.sqrt(sum(float(g.double().square().sum()) for g in grads))
 
 
-def replay_step(model: torch.nn.Module, cfg: TrainConfig, step: int, piece: int) -> Replay:
+def replay_step(model: torch.nn.Module, cfg: TrainConfig, task: Task, step: int, piece: int) -> Replay:
     """One backward pass over step `step`'s training batch, read `piece` positions per call, in the model's dtype;
     then, per block, the last boundary's gradient carried back through the memory's update alone."""
-    task = build_task(cfg)
     batch = sample_rows(task, range(cfg.batch_size), cfg.task.train_length, TRAIN_STREAM, cfg.seed, step)
     torch.manual_seed(derive_seed(DROPOUT_STREAM, cfg.seed, step, 0))  # the trainer's dropout masks (rank 0)
     model.zero_grad(set_to_none=True)
@@ -139,7 +142,7 @@ def replay_step(model: torch.nn.Module, cfg: TrainConfig, step: int, piece: int)
     dtype = next(model.parameters()).dtype
     loss = position_loss(torch.cat(outputs, 1), batch, torch.device("cpu"), dtype) / count
     loss.backward()
-    grad_norm = math.sqrt(sum(float(p.grad.double().square().sum()) for p in model.parameters() if p.grad is not None))
+    grad_norm = grad_norm_of(list(model.parameters()))
     blocks = len(boundaries[0])
     norms = [[grad_norm_of(boundary[b][1]) for boundary in boundaries[:-1]] for b in range(blocks)]
     one_per_block = len(memories) == blocks and all(len(w) == len(boundaries) for w in writes)
@@ -216,11 +219,8 @@ def replay(checkpoint: Path, steps: list[int] | None, piece: int | None, overrid
            dtype: torch.dtype = torch.float32) -> tuple[Path, TrainConfig, list[Replay]]:
     """Replay `steps` (default: the checkpoint's own step) of the run a checkpoint belongs to, every one from the
     checkpoint's weights."""
-    path, cfg, model = load_replay(checkpoint, overrides, dtype)
-    if cfg.model.variant not in ("lmm", "mac", "mag", "mal"):
-        raise ValueError(f"{cfg.model.variant} has no neural memory; the replay measures the memory's backward pass")
+    path, cfg, task, model = load_replay(checkpoint, overrides, dtype)
     piece = piece or (cfg.model.segment_len if cfg.model.variant == "mac" else cfg.model.chunk_size)
     check_piece(cfg, piece)
     chosen = steps if steps else [checkpoint_step(path)]
-    return path, cfg, [replay_step(model, cfg, step, piece) for step in chosen]
-
+    return path, cfg, [replay_step(model, cfg, task, step, piece) for step in chosen]
