@@ -382,6 +382,31 @@ def test_only_some_rows_train_and_the_rest_stay_pending_or_as_recorded(quick_res
     with pytest.raises(ValueError, match=r"has no rows \['nope'\]; its rows are"):
         run_experiment(exp, clone, tmp_path / "runs", jobs=1, quick=True, quiet=True, only=["nope"])
 
+
+def test_only_takes_globs_over_run_ids(quick_results, tmp_path, monkeypatch):
+    """A glob in `only` picks runs across rows (one panel, one seed); with a row label the union trains; a glob that
+    matches no run is an error naming the ids' form, before anything trains."""
+    results_dir, _ = quick_results
+    exp = load_experiment("mqar", quick=True, folder=FOLDER)
+    runs = expand(exp)
+    pattern = "*-dim32-*-s0"  # every row's runs of one width
+    picked = [run.run_id for run in runs if "-dim32-" in run.run_id]
+    assert 1 < len({run.model for run in runs if run.run_id in picked}) and len(picked) < len(runs)
+    calls = spy_on_train(monkeypatch)
+    clone = fresh_clone_of(results_dir, "mqar", tmp_path)
+    run_experiment(exp, clone, tmp_path / "runs", jobs=1, quick=True, quiet=True, retrain=True, only=[pattern])
+    assert len(calls) == len(picked)
+    calls.clear()
+    row = runs[0].model
+    union = set(picked) | {run.run_id for run in runs if run.model == row}
+    run_experiment(exp, clone, tmp_path / "runs", jobs=1, quick=True, quiet=True, retrain=True,
+                   only=[pattern, row])
+    assert len(calls) == len(union)
+    calls.clear()
+    with pytest.raises(ValueError, match=r"no runs matching \['zz\*'\]; its run ids look like"):
+        run_experiment(exp, clone, tmp_path / "runs", jobs=1, quick=True, quiet=True, only=["zz*"])
+    assert calls == []
+
 def test_an_incomplete_grid_and_runs_from_several_machines_are_said_in_the_report(quick_results, tmp_path):
     from titans.experiments.report import headline, section
 

@@ -30,6 +30,7 @@ The results JSON (`docs/results/<experiment>.json`) holds everything the report 
 
 from __future__ import annotations
 
+import fnmatch
 import functools
 import json
 import os
@@ -435,17 +436,29 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
         partial.write_text(json.dumps(data, indent=1))
 
 
+def chosen_runs(name: str, runs: list[Run], only: list[str]) -> set[str]:
+    """The ids of the runs `only` names: each entry is a row's label (all its runs) or a glob over run ids (an entry
+    with *, ? or [, e.g. '*-dim64-*-s1' for one panel's second seed). An entry that names nothing is an error."""
+    rows = list(dict.fromkeys(run.model for run in runs))
+    patterns = [entry for entry in only if any(c in entry for c in "*?[")]
+    unknown = sorted(set(only) - set(rows) - set(patterns))
+    if unknown:
+        raise ValueError(f"experiment {name} has no rows {unknown}; its rows are {rows}")
+    unmatched = [p for p in patterns if not any(fnmatch.fnmatchcase(run.run_id, p) for run in runs)]
+    if unmatched:
+        raise ValueError(f"experiment {name} has no runs matching {unmatched}; its run ids look like "
+                         f"{runs[0].run_id!r}")
+    return {run.run_id for run in runs
+            if run.model in only or any(fnmatch.fnmatchcase(run.run_id, p) for p in patterns)}
+
+
 def train_grid(exp: Experiment, path: Path, runs_dir: Path, jobs: int, header: dict[str, Any], quiet: bool,
                retrain: bool, only: list[str] | None = None) -> dict[str, Any]:
     """Train the runs of `exp` (of its rows `only`, where given) that neither the results JSON at `path` nor the runs
     directory holds finished, writing the JSON after each (the runs so far, the rest "pending"); return the JSON's
     body."""
     runs = expand(exp)
-    rows = list(dict.fromkeys(run.model for run in runs))
-    unknown = sorted(set(only or ()) - set(rows))
-    if unknown:
-        raise ValueError(f"experiment {exp.name} has no rows {unknown}; its rows are {rows}")
-    chosen = {run.run_id for run in runs if only is None or run.model in only}
+    chosen = {run.run_id for run in runs} if only is None else chosen_runs(exp.name, runs, only)
     records, machine = json_records(path)
     done = {run_id: summary for run_id, summary in recorded_runs(records, machine, exp, runs).items()
             if not (retrain and run_id in chosen)}
