@@ -325,8 +325,8 @@ def experiment_run(
                                              "directory holds finished (after a change to the model's code, which "
                                              "no config shows)."),
     only: str | None = typer.Option(None, help="Train these rows only (comma-separated labels, e.g. 'lmm,lmm alpha "
-                                               "1e-2', or globs over run ids, e.g. '*-dim64-*-s1'); the rest stay "
-                                               "as the JSON has them, or pending."),
+                                               "1e-2', run ids, or globs over run ids, e.g. '*-dim64-*-s1'); the "
+                                               "rest stay as the JSON has them, or pending."),
     no_train: bool = typer.Option(False, "--no-train", help="Train nothing: rewrite the JSON from the runs it and the "
                                                             "runs directory hold (after a default or the grid "
                                                             "changed, the runs it changed are marked stale)."),

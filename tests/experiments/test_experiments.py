@@ -379,13 +379,13 @@ def test_only_some_rows_train_and_the_rest_stay_pending_or_as_recorded(quick_res
     after = json.loads(run_experiment(exp, clone, tmp_path / "runs", jobs=1, quick=True, quiet=True, retrain=True,
                                       only=[rows[0]]).read_text())
     assert len(calls) == len(mine) and "pending" not in after and set(after["runs"]) == {r.run_id for r in expand(exp)}
-    with pytest.raises(ValueError, match=r"has no rows \['nope'\]; its rows are"):
+    with pytest.raises(ValueError, match=r"has no rows or runs \['nope'\]; its rows are"):
         run_experiment(exp, clone, tmp_path / "runs", jobs=1, quick=True, quiet=True, only=["nope"])
 
 
 def test_only_takes_globs_over_run_ids(quick_results, tmp_path, monkeypatch):
-    """A glob in `only` picks runs across rows (one panel, one seed); with a row label the union trains; a glob that
-    matches no run is an error naming the ids' form, before anything trains."""
+    """A glob in `only` picks runs across rows (one panel, one seed); with a row label the union trains; a run id
+    picks that run; a glob that matches no run is an error naming the ids' form, before anything trains."""
     results_dir, _ = quick_results
     exp = load_experiment("mqar", quick=True, folder=FOLDER)
     runs = expand(exp)
@@ -403,7 +403,11 @@ def test_only_takes_globs_over_run_ids(quick_results, tmp_path, monkeypatch):
                    only=[pattern, row])
     assert len(calls) == len(union)
     calls.clear()
-    with pytest.raises(ValueError, match=r"no runs matching \['zz\*'\]; its run ids look like"):
+    run_experiment(exp, clone, tmp_path / "runs", jobs=1, quick=True, quiet=True, retrain=True,
+                   only=[picked[0]])  # a run id alone
+    assert len(calls) == 1
+    calls.clear()
+    with pytest.raises(ValueError, match=r"no rows or runs \['zz\*'\]; its rows are .*its run ids look like"):
         run_experiment(exp, clone, tmp_path / "runs", jobs=1, quick=True, quiet=True, only=["zz*"])
     assert calls == []
 

@@ -437,17 +437,14 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
 
 
 def chosen_runs(name: str, runs: list[Run], only: list[str]) -> set[str]:
-    """The ids of the runs `only` names: each entry is a row's label (all its runs) or a glob over run ids (an entry
-    with *, ? or [, e.g. '*-dim64-*-s1' for one panel's second seed). An entry that names nothing is an error."""
+    """The ids of the runs `only` names: each entry is a row's label (all its runs), a run id, or a glob over run ids
+    (e.g. '*-dim64-*-s1' for one panel's second seed). An entry that names nothing is an error."""
     rows = list(dict.fromkeys(run.model for run in runs))
-    patterns = [entry for entry in only if any(c in entry for c in "*?[")]
-    unknown = sorted(set(only) - set(rows) - set(patterns))
-    if unknown:
-        raise ValueError(f"experiment {name} has no rows {unknown}; its rows are {rows}")
+    patterns = [entry for entry in only if entry not in rows]
     unmatched = [p for p in patterns if not any(fnmatch.fnmatchcase(run.run_id, p) for run in runs)]
     if unmatched:
-        raise ValueError(f"experiment {name} has no runs matching {unmatched}; its run ids look like "
-                         f"{runs[0].run_id!r}")
+        raise ValueError(f"experiment {name} has no rows or runs {unmatched}; its rows are {rows}, its run ids look "
+                         f"like {runs[0].run_id!r}")
     return {run.run_id for run in runs
             if run.model in only or any(fnmatch.fnmatchcase(run.run_id, p) for p in patterns)}
 
