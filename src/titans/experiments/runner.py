@@ -440,13 +440,13 @@ def chosen_runs(name: str, runs: list[Run], only: list[str]) -> set[str]:
     """The ids of the runs `only` names: each entry is a row's label (all its runs), a run id, or a glob over run ids
     (e.g. '*-dim64-*-s1' for one panel's second seed). An entry that names nothing is an error."""
     rows = list(dict.fromkeys(run.model for run in runs))
-    patterns = [entry for entry in only if entry not in rows]
-    unmatched = [p for p in patterns if not any(fnmatch.fnmatchcase(run.run_id, p) for run in runs)]
+    ids = [run.run_id for run in runs]
+    matches = {entry: [i for i in ids if fnmatch.fnmatchcase(i, entry)] for entry in only if entry not in rows}
+    unmatched = [entry for entry, matched in matches.items() if not matched]
     if unmatched:
         raise ValueError(f"experiment {name} has no rows or runs {unmatched}; its rows are {rows}, its run ids look "
-                         f"like {runs[0].run_id!r}")
-    return {run.run_id for run in runs
-            if run.model in only or any(fnmatch.fnmatchcase(run.run_id, p) for p in patterns)}
+                         f"like {ids[0]!r}")
+    return {run.run_id for run in runs if run.model in only}.union(*matches.values())
 
 
 def train_grid(exp: Experiment, path: Path, runs_dir: Path, jobs: int, header: dict[str, Any], quiet: bool,

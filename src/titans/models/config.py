@@ -27,10 +27,12 @@ def with_earlier_defaults(model: dict[str, Any]) -> dict[str, Any]:
 
 # Fields a variant's model never reads: configs that differ only there build the same model (held in
 # tests/models/test_models.py), so the experiment runner reads such a run back as one. Only fields known unread.
+_NO_MEMORY = frozenset(  # the baselines without a neural memory read none of its fields
+    {"memory_residual", "mal_residual", "memory_learned_init", "memory_max_momentum_step"})
 UNREAD_FIELDS: dict[str, frozenset[str]] = {
-    "transformer": frozenset({"memory_residual", "mal_residual", "memory_learned_init", "memory_max_momentum_step"}),
-    "swa": frozenset({"memory_residual", "mal_residual", "memory_learned_init", "memory_max_momentum_step"}),
-    "lstm": frozenset({"memory_residual", "mal_residual", "memory_learned_init", "memory_max_momentum_step"}),
+    "transformer": _NO_MEMORY,
+    "swa": _NO_MEMORY,
+    "lstm": _NO_MEMORY,
     # its memory fixes its own residual and gates
     "gated_deltanet": frozenset({"memory_residual", "mal_residual", "memory_max_momentum_step"}),
     "lmm": frozenset({"mal_residual"}),
