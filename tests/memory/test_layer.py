@@ -22,7 +22,8 @@ OPTION_SETS = {
     "depth 3 silu": {"depth": 3, "activation": "silu", "expansion": 2},
     "bounded gradient norm": {"max_grad_norm": 0.5},
     "bounded state, active": {"max_state_norm": 0.2},
-    "the paper's rule": {"normalize_inputs": False, "max_grad_norm": None, "max_state_norm": None, "max_lr": 0.1},
+    "the paper's rule": {"normalize_inputs": False, "max_grad_norm": None, "max_state_norm": None,
+                         "max_momentum_step": None, "max_lr": 0.1},
     # the ablations' switches (paper Table 5): each row removes one component
     "linear memory": {"depth": 1, "residual": False},
     "no momentum": {"momentum": False},
@@ -30,6 +31,7 @@ OPTION_SETS = {
     "constant gates": {"gates": "constant", "init_theta": 0.5, "init_eta": 0.9, "init_alpha": 1e-3},
     "hidden layers at 0.3 θ": {"hidden_step": 0.3, "depth": 3, "expansion": 2},
     "channel-wise forgetting": {"forgetting_channels": True},
+    "free gates": {"max_momentum_step": None},
     # θ_t ≤ κ (1 − η_t): κ small enough to bind on some tokens of these gates, and through the surprise gate
     "bounded momentum gain": {"max_momentum_step": 0.2},
     "bounded momentum gain, surprise gate": {"max_momentum_step": 0.2, "surprise_gate": True},
@@ -224,8 +226,8 @@ def test_init_values_are_the_gates_at_initialisation():
 def test_bounded_momentum_gain_is_the_smaller_of_the_gate_and_the_bound(surprise_gate):
     """θ_t under `max_momentum_step` κ is min(θ_t, κ (1 − η_t)): the free gate where it is below the bound (the paper's
     rule there), the bound where both gates are high; η and α untouched."""
-    free, bounded = make_memory(surprise_gate=surprise_gate), make_memory(surprise_gate=surprise_gate,
-                                                                          max_momentum_step=0.2)
+    free = make_memory(surprise_gate=surprise_gate, max_momentum_step=None)
+    bounded = make_memory(surprise_gate=surprise_gate, max_momentum_step=0.2)
     logits = torch.randn(2, 2, 9, 3, dtype=DT, generator=torch.Generator().manual_seed(5)) * 3
     (theta, eta, alpha), (theta_b, eta_b, alpha_b) = free._gate_values(logits), bounded._gate_values(logits)
     assert torch.equal(eta_b, eta) and torch.equal(alpha_b, alpha)
@@ -234,6 +236,23 @@ def test_bounded_momentum_gain_is_the_smaller_of_the_gate_and_the_bound(surprise
         theta, theta_b, eta = theta(surprise, 3, 7), theta_b(surprise, 3, 7), eta[:, :, 3:7]
     torch.testing.assert_close(theta_b, torch.minimum(theta, 0.2 * (1 - eta)), rtol=0, atol=0)
     assert (theta_b < theta).any() and (theta_b == theta).any()
+
+
+def test_the_momentum_gain_is_bounded_at_one_by_default_and_only_where_the_gates_are_learned():
+    """κ = 1 is the default of the layer and the config alike (DESIGN.md §1); constant gates are the numbers given,
+    θ = 0.5 with η = 0.9 included (a gain of 5), and the bound does not touch them."""
+    from titans.models import TitansConfig
+
+    assert NeuralMemory(16).max_momentum_step == TitansConfig().memory_max_momentum_step == 1.0
+    options = {"gates": "constant", "init_theta": 0.5, "init_eta": 0.9}
+    constant, bounded = make_memory(**options, max_momentum_step=None), make_memory(**options, max_momentum_step=0.05)
+    assert bounded.max_momentum_step is None
+    logits = bounded._gate_logits(torch.randn(1, 7, 16, dtype=DT)).unflatten(-1, (3, 2)).permute(0, 3, 1, 2)
+    theta, eta, _ = bounded._gate_values(logits)
+    torch.testing.assert_close(theta, torch.full_like(theta, 0.5))
+    torch.testing.assert_close(eta, torch.full_like(eta, 0.9))
+    x = torch.randn(2, 11, 16, dtype=DT)
+    assert torch.equal(bounded(x)[0], constant(x)[0])
 
 
 def test_bad_input_shape():

@@ -11,7 +11,7 @@ from titans.layers import states_trusted, trusted_states
 from titans.layers.attention import reference_window_attention
 from titans.memory import NeuralMemory
 from titans.models import VARIANTS, load_state, sample_next, save_state
-from titans.models.config import UNREAD_FIELDS
+from titans.models.config import UNREAD_FIELDS, unread_fields
 from titans.models.state_io import _flatten
 from titans.train.config import OptimConfig
 from titans.train.loop import make_optimizer
@@ -279,32 +279,36 @@ def test_the_memory_is_the_papers_mlp_by_default():
     assert {m.residual for m in tiny_model("lmm").modules() if isinstance(m, NeuralMemory)} == {False}
 
 
-@pytest.mark.parametrize("variant", sorted(UNREAD_FIELDS))
-def test_a_field_a_variant_does_not_read_changes_nothing(variant):
-    """UNREAD_FIELDS, which lets the experiment runner read one variant's runs back across them, is true: flipping
+@pytest.mark.parametrize("variant, options", [*((v, {}) for v in sorted(UNREAD_FIELDS)),
+                                              ("mac", {"memory_gates": "constant", "memory_init_eta": 0.9})],
+                         ids=[*sorted(UNREAD_FIELDS), "mac, constant gates"])
+def test_a_field_a_model_does_not_read_changes_nothing(variant, options):
+    """`unread_fields`, which lets the experiment runner read one model's runs back across them, is true: flipping
     such a field builds the same weights and the same outputs."""
     x = tokens(2, 13)
-    other = {"memory_max_momentum_step": 0.05}  # the non-boolean fields: a value that binds, against None
-    for field in UNREAD_FIELDS[variant]:
-        flipped = tiny_model(variant, **{field: other.get(field, not getattr(TitansConfig(**TINY), field))})
-        same = tiny_model(variant)
+    other = {"memory_max_momentum_step": 0.05}  # the non-boolean fields: a value that binds
+    for field in unread_fields(TitansConfig(variant=variant, **TINY, **options)):
+        flipped = tiny_model(variant, **options, **{field: other.get(field, not getattr(TitansConfig(**TINY), field))})
+        same = tiny_model(variant, **options)
         assert flipped.state_dict().keys() == same.state_dict().keys()
         assert all(torch.equal(v, same.state_dict()[k]) for k, v in flipped.state_dict().items())
         assert torch.equal(flipped(x)[0], same(x)[0])
 
 
 def test_a_saved_model_from_before_a_default_changed_loads_as_it_was_trained(tmp_path):
-    """A config.json written before `memory_residual` existed lacks it: its model had the residual (the default
-    then), so it loads with it, not with today's default (EARLIER_DEFAULTS)."""
-    model = tiny_model("lmm", memory_residual=True)
+    """A config.json written before `memory_residual` and `memory_max_momentum_step` existed lacks them: its model
+    had the residual and the free gates (the defaults then), so it loads with them, not with today's defaults
+    (EARLIER_DEFAULTS)."""
+    model = tiny_model("lmm", memory_residual=True, memory_max_momentum_step=None)
     model.save_pretrained(tmp_path / "m")
     path = tmp_path / "m" / "config.json"
     data = json.loads(path.read_text())
-    del data["titans"]["memory_residual"]
+    del data["titans"]["memory_residual"], data["titans"]["memory_max_momentum_step"]
     path.write_text(json.dumps(data))
     again = TitansLM.from_pretrained(tmp_path / "m")
     x = tokens(1, 12)
-    assert again.config.memory_residual is True and torch.equal(again(x)[0], model(x)[0])
+    assert again.config.memory_residual is True and again.config.memory_max_momentum_step is None
+    assert torch.equal(again(x)[0], model(x)[0])
 
 
 def test_save_and_load_pretrained(tmp_path):

@@ -30,7 +30,8 @@ from ..memory import NeuralMemory
 
 RULES = {
     "ours": {},  # the layer's defaults
-    "paper": {"normalize_inputs": False, "max_grad_norm": None, "max_state_norm": None, "normalize_chunk": False},
+    "paper": {"normalize_inputs": False, "max_grad_norm": None, "max_state_norm": None, "normalize_chunk": False,
+              "max_momentum_step": None},
 }
 WORST_GATE_LOGITS = (20.0, 20.0, -20.0)  # θ → θ_max, η → 1, α → 0 (the sigmoids saturate)
 

@@ -43,7 +43,7 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
-from ..models.config import UNREAD_FIELDS
+from ..models.config import unread_fields
 from ..models.state_io import staged_writes
 from ..train.config import TrainConfig, saved_train_dict
 from ..train.loop import checked_tasks
@@ -53,9 +53,9 @@ from .spec import Experiment, Run, expand
 def _identity(cfg: TrainConfig) -> dict[str, Any]:
     """What makes two configs the same run: everything but the time budget, which limits a run without being one of
     its settings, the name, which labels it (the directory and the row it is filed under), and the model's fields
-    that its variant never reads (`UNREAD_FIELDS`)."""
+    that it never reads (`unread_fields`)."""
     identity = {key: value for key, value in cfg.to_dict().items() if key not in ("time_budget_s", "name")}
-    unread = UNREAD_FIELDS.get(cfg.model.variant, frozenset())
+    unread = unread_fields(cfg.model)
     identity["model"] = {key: value for key, value in identity["model"].items() if key not in unread}
     return identity
 

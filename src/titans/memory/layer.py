@@ -6,9 +6,9 @@
         state kept in its ball at every chunk end
     output = W_o (RMSNorm(y) ⊙ SiLU(x W_g))
 
-The normalised v and x̂, the two bounds and the normalised chunk step are the library's default rule, not the
-paper's (DESIGN.md §1, "Stable by default"; `normalize_inputs=False, max_grad_norm=None, max_state_norm=None,
-normalize_chunk=False` is the paper's). All projections, gates, convs and the initial memory weights W_0 are
+The normalised v and x̂, the two bounds, the normalised chunk step and the bounded momentum gain are the library's
+default rule, not the paper's (DESIGN.md §1, "Stable by default"; `normalize_inputs=False, max_grad_norm=None,
+max_state_norm=None, normalize_chunk=False, max_momentum_step=None` is the paper's). All projections, gates, convs and the initial memory weights W_0 are
 ordinary parameters trained by the outer loop through the inner updates.
 """
 
@@ -101,7 +101,8 @@ class NeuralMemory(nn.Module):
             gates learn a large θ and an η near 1 together overshoots and rings, bounded forward by the state's
             ball but expansive backward (DESIGN.md §1, the backward's open item). It binds only where both gates
             are high, and acts on θ before any chunk path, so every implementation and the token-by-token
-            reference see the same θ. None (default): the paper's free gates.
+            reference see the same θ. Default κ = 1 (it cost nothing measured and removed `lm`'s one spike); None:
+            the paper's free gates. Constant gates (`gates="constant"`) are the numbers given and are not bounded.
         learned_init: the memory's initial weights W_0 are parameters of the outer loop (default; the paper is
             silent); False leaves them as initialised (last layer 0), so a read returns only what was written.
         gradients: where each token's inner gradient is taken: "chunk" (at its chunk's starting weights, the
@@ -145,7 +146,7 @@ class NeuralMemory(nn.Module):
         max_state_norm: Optional[float] = 10.0,
         normalize_chunk: bool = True,
         hidden_step: float = 1.0,
-        max_momentum_step: Optional[float] = None,
+        max_momentum_step: Optional[float] = 1.0,
         learned_init: bool = True,
         implementation: Optional[str] = None,
     ):
@@ -199,7 +200,7 @@ class NeuralMemory(nn.Module):
         self.depth, self.chunk_size, self.max_lr = depth, chunk_size, max_lr
         self.activation, self.use_momentum, self.residual = activation, momentum, residual
         self.forgetting, self.gates, self.hidden_step = forgetting, gates, hidden_step
-        self.max_momentum_step = max_momentum_step
+        self.max_momentum_step = max_momentum_step if gates == "data" else None
         self.forgetting_channels = forgetting_channels
         self.gate_pooling, self.surprise_gate, self.checkpoint_chunks = gate_pooling, surprise_gate, checkpoint_chunks
         self.implementation = implementation

@@ -17,7 +17,10 @@ MAX_VOCAB_SIZE = 2**24
 # Defaults that changed, with the value every config saved before its field existed was trained with: a saved config
 # (a checkpoint's config.yaml, a pretrained config.json, a results JSON's record) that lacks the field is read with
 # that value, not today's default (`with_earlier_defaults`). Configs written since hold every field.
-EARLIER_DEFAULTS: dict[str, Any] = {"memory_residual": True}  # the memory's k + MLP(k) until the ablations
+EARLIER_DEFAULTS: dict[str, Any] = {
+    "memory_residual": True,  # the memory's k + MLP(k) until the ablations
+    "memory_max_momentum_step": None,  # the paper's gates, unbounded, until lm's MAC spike (DESIGN.md §1)
+}
 
 
 def with_earlier_defaults(model: dict[str, Any]) -> dict[str, Any]:
@@ -39,6 +42,13 @@ UNREAD_FIELDS: dict[str, frozenset[str]] = {
     "mac": frozenset({"mal_residual"}),
     "mag": frozenset({"mal_residual"}),
 }
+
+
+def unread_fields(cfg: TitansConfig) -> frozenset[str]:
+    """The model fields `cfg`'s model never reads: its variant's (`UNREAD_FIELDS`), and the bound on the momentum's
+    gain under constant gates, which are the numbers the config gives and are not bounded."""
+    unread = UNREAD_FIELDS.get(cfg.variant, frozenset())
+    return unread | {"memory_max_momentum_step"} if cfg.memory_gates == "constant" else unread
 
 
 class TitansConfig(Config):
@@ -83,8 +93,10 @@ class TitansConfig(Config):
     mal_residual: bool = True
     # ρ: the hidden memory layers' inner step as a fraction of θ (1: the paper)
     memory_hidden_step: float = Field(1.0, ge=0, le=1)
-    # κ: θ_t ≤ κ (1 − η_t), a bound on the momentum's gain (not in the paper; DESIGN.md §1); None: the paper's gates
-    memory_max_momentum_step: Optional[float] = Field(None, gt=0)
+    # κ: θ_t ≤ κ (1 − η_t), a bound on the learned gates' momentum gain θ_t / (1 − η_t), which rang in training where
+    # θ_t and η_t rose together (not in the paper; DESIGN.md §1); None: the paper's gates. Constant gates are the
+    # config's numbers and are not bounded.
+    memory_max_momentum_step: Optional[float] = Field(1.0, gt=0)
     # the memory's initial weights W_0 trained by the outer loop (the paper is silent); False keeps them at their
     # initialisation (last layer 0, earlier layers random), so a read returns only what the memory wrote
     memory_learned_init: bool = True
