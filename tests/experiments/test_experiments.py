@@ -525,9 +525,10 @@ def test_runs_the_time_budget_stopped_short_are_named(quick_results, tmp_path):
     assert f"Stopped by the time budget before their steps: {run_id} {steps}" in text
 
 
-def test_the_largest_gradient_norm_of_each_model_is_in_the_table_of_runs(quick_results, tmp_path):
-    """A gradient spike that clipping absorbed is named with its run's seed and step; runs recorded before the
-    field existed show a dash, not a number."""
+def test_the_largest_gradient_norm_and_bound_share_of_each_model_are_in_the_table_of_runs(quick_results, tmp_path):
+    """A gradient spike that clipping absorbed is named with its run's seed and step, and the largest share of
+    learned θ_t that the momentum-gain bound lowered with its seed; runs recorded before the fields existed (or that
+    bounded nothing) show a dash, not a number."""
     results_dir, _ = quick_results
     copied = tmp_path / "results"
     shutil.copytree(results_dir, copied)
@@ -535,20 +536,20 @@ def test_the_largest_gradient_norm_of_each_model_is_in_the_table_of_runs(quick_r
     data = json.loads(path.read_text())
     model = next(iter(data["runs"].values()))["model"]
     spiked = [r for r in data["runs"].values() if r["model"] == model]
-    spiked[0].update(peak_grad_norm=1.5e6, peak_grad_step=2)
+    spiked[0].update(peak_grad_norm=1.5e6, peak_grad_step=2, momentum_bound_share=0.025)
     other = next(r["model"] for r in data["runs"].values() if r["model"] != model)
     for r in data["runs"].values():
         if r["model"] == other:
-            r.pop("peak_grad_norm"), r.pop("peak_grad_step")
+            r.pop("peak_grad_norm"), r.pop("peak_grad_step"), r.pop("momentum_bound_share", None)
     path.write_text(json.dumps(data))
     text = write_report(copied, tmp_path / "RESULTS.md").read_text()
     section = text[text.index("## BABILong"):]
 
-    def runs_row(name):  # the table of runs: seven columns
-        return next(line for line in section.splitlines() if line.startswith(f"| {name} |") and line.count("|") == 8)
+    def runs_row(name):  # the table of runs: eight columns
+        return next(line for line in section.splitlines() if line.startswith(f"| {name} |") and line.count("|") == 9)
 
-    assert f"| 1.5e+06 (s{spiked[0]['seed']}: 2) |" in runs_row(model)
-    assert "| — |" in runs_row(other)
+    assert f"| 1.5e+06 (s{spiked[0]['seed']}: 2) | 2.50% (s{spiked[0]['seed']}) |" in runs_row(model)
+    assert "| — | — |" in runs_row(other)
 
 
 def test_report_prints_accuracies_to_two_decimals_and_losses_to_three_digits():

@@ -255,6 +255,27 @@ def test_the_momentum_gain_is_bounded_at_one_by_default_and_only_where_the_gates
     assert torch.equal(bounded(x)[0], constant(x)[0])
 
 
+def test_the_bound_counts_the_learned_thetas_it_lowers_in_training_only():
+    """`momentum_bound_record`: (θ_t that κ lowered, θ_t it bounded) over training forwards, the first counted
+    against the free gates themselves; evaluation adds nothing, and κ off or constant gates bound nothing."""
+    bounded, free = make_memory(max_momentum_step=0.2), make_memory(max_momentum_step=None)
+    x = torch.randn(2, 11, 16, dtype=DT, generator=torch.Generator().manual_seed(3)) * 3
+    logits = free._gate_logits(x).unflatten(-1, (3, 2)).permute(0, 3, 1, 2)  # [B, H, T, 3]
+    theta, eta, _ = free._gate_values(logits)
+    expected = int((theta > 0.2 * (1 - eta)).sum())
+    assert 0 < expected < theta.numel()
+    bounded(x)
+    assert bounded.momentum_bound_record() == (expected, theta.numel())
+    bounded.eval()
+    bounded(x)
+    assert bounded.momentum_bound_record() == (expected, theta.numel())
+    free(x)
+    assert free.momentum_bound_record() == (0, 0)
+    constant = make_memory(gates="constant", init_theta=0.5, init_eta=0.9, max_momentum_step=0.05)
+    constant(x)
+    assert constant.momentum_bound_record() == (0, 0)
+
+
 def test_bad_input_shape():
     with pytest.raises(ValueError, match="x must be"):
         NeuralMemory(16)(torch.randn(2, 5, 8))

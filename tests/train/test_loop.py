@@ -316,6 +316,28 @@ def test_the_largest_gradient_norm_is_kept_with_its_step_and_survives_a_resume(t
     assert trainer.resume() and trainer.peak_grad == (peak, 3)
 
 
+def test_the_share_of_thetas_the_momentum_bound_lowered_is_recorded_and_survives_a_resume(tiny_config, tmp_path):
+    """eval.json keeps the share of learned θ_t that κ lowered in training (a run where it acted is not the paper's
+    free-gates run), carried across a resume as the straight run counts it; None where nothing was bounded."""
+    cfg = load_train_config(tiny_config, ["checkpoint_every=3", "model.memory_max_momentum_step=0.1"])
+    straight = train(cfg, tmp_path / "straight", quiet=True)
+    lowered, bounded = straight.momentum_bound
+    assert 0 < lowered <= bounded
+    saved = json.loads((tmp_path / "straight" / "eval.json").read_text())
+    assert saved["momentum_bound_share"] == lowered / bounded
+    interrupted = Trainer(cfg, tmp_path / "split", quiet=True)
+    for _ in range(3):
+        interrupted.train_step()
+        interrupted.step += 1
+    interrupted.save()
+    resumed = Trainer(cfg, tmp_path / "split", quiet=True)
+    assert resumed.resume() and 0 < resumed.earlier_bound[1] < bounded
+    assert resumed.run().momentum_bound == (lowered, bounded)
+    free = load_train_config(tiny_config, ["checkpoint_every=0", "model.memory_max_momentum_step=null"])
+    assert train(free, tmp_path / "free", quiet=True).momentum_bound == (0, 0)
+    assert json.loads((tmp_path / "free" / "eval.json").read_text())["momentum_bound_share"] is None
+
+
 def test_non_finite_steps_are_skipped_counted_and_logged(tiny_config, tmp_path, monkeypatch, capsys):
     cfg = load_train_config(tiny_config, ["checkpoint_every=0"])
     clean = train(cfg, tmp_path / "clean", quiet=True)

@@ -319,6 +319,17 @@ def peak_grad(runs: list[dict[str, Any]]) -> str:
     return f"{top['peak_grad_norm']:.3g} (s{top['seed']}: {top['peak_grad_step']})"
 
 
+def bound_lowered(runs: list[dict[str, Any]]) -> str:
+    """The largest share of learned θ_t that the momentum-gain bound lowered in training over a model's runs, with
+    its seed: where the bound acted, the run differs from one under the paper's free gates. "—" where no run
+    bounded θ (no memory, κ off, constant gates) or recorded it (runs trained before it was kept)."""
+    kept = [r for r in runs if r.get("momentum_bound_share") is not None]
+    if not kept:
+        return "—"
+    top = max(kept, key=lambda r: r["momentum_bound_share"])
+    return f"{top['momentum_bound_share']:.2%} (s{top['seed']})"
+
+
 def run_facts(data: dict[str, Any]) -> str:
     """Parameters, steps and training time per model, from the runs (train experiments), and the runs that the time
     budget stopped before their steps (those had a smaller budget than the rest: the reader must see which)."""
@@ -332,14 +343,15 @@ def run_facts(data: dict[str, Any]) -> str:
     if not by_model:
         return ""
     lines = ["| model | parameters | steps (mean) | training seconds (mean) | skipped steps | largest gradient norm "
-             "(seed: step) | failed runs |", "|---|---:|---:|---:|---:|---:|---:|"]
+             "(seed: step) | θ_t lowered by κ, largest (seed) | failed runs |", "|---" + "|---:" * 7 + "|"]
     failed = {m: sum("error" in r for r in data["runs"].values() if r["model"] == m) for m in by_model}
     for model, runs in by_model.items():
         params = sorted({r["num_parameters"] for r in runs})
         shown = f"{params[0]:,}" if len(params) == 1 else f"{params[0]:,}–{params[-1]:,}"
         lines.append(f"| {model} | {shown} | {sum(r['steps'] for r in runs) / len(runs):.0f} | "
                      f"{sum(r['seconds'] for r in runs) / len(runs):.0f} | "
-                     f"{sum(r.get('skipped_steps', 0) for r in runs)} | {peak_grad(runs)} | {failed[model]} |")
+                     f"{sum(r.get('skipped_steps', 0) for r in runs)} | {peak_grad(runs)} | {bound_lowered(runs)} | "
+                     f"{failed[model]} |")
     if short:
         lines += ["", f"Stopped by the time budget before their steps: {', '.join(short)}."]
     return "\n".join(lines)

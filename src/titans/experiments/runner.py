@@ -236,8 +236,9 @@ def trained_on(summaries: list[dict[str, Any]]) -> str | None:
     return machines.most_common(1)[0][0] if machines else None
 
 
-# eval.json's record of the largest gradient norm before clipping and its step (absent from runs trained before it)
-PEAK_GRAD_KEYS = ("peak_grad_norm", "peak_grad_step")
+# eval.json's record of how training went beyond its loss (each absent from runs trained before it was kept): the
+# largest gradient norm before clipping and its step, and the share of learned θ_t the momentum-gain bound lowered
+TRAINING_KEYS = ("peak_grad_norm", "peak_grad_step", "momentum_bound_share")
 
 
 def run_record(run: Run, summary: dict[str, Any], values: dict[str, float | None]) -> dict[str, Any]:
@@ -248,7 +249,7 @@ def run_record(run: Run, summary: dict[str, Any], values: dict[str, float | None
             **({"error": summary["error"]} if "error" in summary else {
                 "num_parameters": summary["num_parameters"], "steps": summary["step"],
                 "seconds": round(summary["train_seconds"], 1), "skipped_steps": summary.get("skipped_steps", 0),
-                **{key: summary[key] for key in PEAK_GRAD_KEYS if key in summary},
+                **{key: summary[key] for key in TRAINING_KEYS if key in summary},
                 **({"machine": summary["machine"]} if summary.get("machine") else {}),
                 "evaluation": summary["results"]})}
 
@@ -339,7 +340,7 @@ def summary_of(record: dict[str, Any], run: Run, exp: Experiment, machine: str |
         return None
     return {"results": evaluation, "num_parameters": record["num_parameters"], "step": record["steps"],
             "train_seconds": record["seconds"], "skipped_steps": record.get("skipped_steps", 0),
-            **{key: record[key] for key in PEAK_GRAD_KEYS if key in record},
+            **{key: record[key] for key in TRAINING_KEYS if key in record},
             "machine": record.get("machine", machine)}
 
 

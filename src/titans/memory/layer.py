@@ -8,8 +8,8 @@
 
 The normalised v and x̂, the two bounds, the normalised chunk step and the bounded momentum gain are the library's
 default rule, not the paper's (DESIGN.md §1, "Stable by default"; `normalize_inputs=False, max_grad_norm=None,
-max_state_norm=None, normalize_chunk=False, max_momentum_step=None` is the paper's). All projections, gates, convs and the initial memory weights W_0 are
-ordinary parameters trained by the outer loop through the inner updates.
+max_state_norm=None, normalize_chunk=False, max_momentum_step=None` is the paper's). All projections, gates, convs
+and the initial memory weights W_0 are ordinary parameters trained by the outer loop through the inner updates.
 """
 
 from __future__ import annotations
@@ -201,6 +201,9 @@ class NeuralMemory(nn.Module):
         self.activation, self.use_momentum, self.residual = activation, momentum, residual
         self.forgetting, self.gates, self.hidden_step = forgetting, gates, hidden_step
         self.max_momentum_step = max_momentum_step if gates == "data" else None
+        # κ's record over training forwards: how many learned θ_t it lowered, of how many (`momentum_bound_record`)
+        self.bound_lowered: Union[Tensor, int] = 0
+        self.bound_gates = 0
         self.forgetting_channels = forgetting_channels
         self.gate_pooling, self.surprise_gate, self.checkpoint_chunks = gate_pooling, surprise_gate, checkpoint_chunks
         self.implementation = implementation
@@ -334,10 +337,20 @@ class NeuralMemory(nn.Module):
 
         return theta, eta, alpha
 
-    @staticmethod
-    def _bounded_theta(theta: Tensor, bound: Optional[Tensor]) -> Tensor:
-        """θ_t under the bound on the momentum's gain, min(θ_t, κ (1 − η_t)) (`max_momentum_step`)."""
-        return theta if bound is None else torch.minimum(theta, bound)
+    def _bounded_theta(self, theta: Tensor, bound: Optional[Tensor]) -> Tensor:
+        """θ_t under the bound on the momentum's gain, min(θ_t, κ (1 − η_t)) (`max_momentum_step`), counted in
+        training so that a run shows where the bound acted (read on the device, no host sync here)."""
+        if bound is None:
+            return theta
+        if self.training:
+            lowered = theta.detach() > bound.detach()
+            self.bound_lowered = self.bound_lowered + lowered.sum()
+            self.bound_gates += lowered.numel()
+        return torch.minimum(theta, bound)
+
+    def momentum_bound_record(self) -> tuple[int, int]:
+        """(the learned θ_t that κ lowered, the learned θ_t it bounded) over this memory's training forwards."""
+        return int(self.bound_lowered), self.bound_gates
 
     def _output(self, y: Tensor, x: Tensor) -> Tensor:
         """W_o (RMSNorm(y) ⊙ SiLU(x W_g)), y per head [B, H, T, d]."""

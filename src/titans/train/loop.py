@@ -443,6 +443,21 @@ class TrainResult:
     num_parameters: int = 0
     skipped_steps: int = 0  # updates skipped for a non-finite loss or gradient
     peak_grad: tuple[float, int] = (0.0, 0)  # the largest outer gradient norm before clipping, and its step
+    momentum_bound: tuple[int, int] = (0, 0)  # (learned θ_t lowered by κ, learned θ_t bounded) in training
+
+
+def momentum_bound_record(model: nn.Module) -> tuple[int, int]:
+    """(learned θ_t lowered by the bound on the momentum's gain, learned θ_t it bounded) over the training forwards
+    of `model`'s memories so far (`NeuralMemory.momentum_bound_record`; one host read per memory)."""
+    from ..memory import NeuralMemory
+
+    records = [m.momentum_bound_record() for m in model.modules() if isinstance(m, NeuralMemory)]
+    return sum(r[0] for r in records), sum(r[1] for r in records)
+
+
+def bound_share(record: tuple[int, int]) -> float | None:
+    """The share of learned θ_t that κ lowered; None where no θ_t was bounded (no memory, or κ off)."""
+    return record[0] / record[1] if record[1] else None
 
 
 class Trainer:
@@ -494,6 +509,8 @@ class Trainer:
         # The largest finite gradient norm before clipping, and its step: clipping bounds the update a gradient spike
         # makes, so without this a run whose gradient exploded for a while would look like any other.
         self.peak_grad: tuple[float, int] = (0.0, 0)
+        # κ's record before this process (a resumed run's, from its checkpoint); the memories count the rest
+        self.earlier_bound: tuple[int, int] = (0, 0)
         self.saved_step: int | None = None
         # carry_windows: the states the next step's micro-batches start from (None: fresh), and the sequences of the
         # current block of windows (block index, one batch per micro-batch)
@@ -507,7 +524,13 @@ class Trainer:
         return {"step": self.step, "optimizer": self.optimizer.state_dict(),
                 "rng": {"cpu": torch.get_rng_state(), "cuda": cuda_rng},
                 "train_seconds": self.train_seconds, "skipped_steps": self.skipped_steps,
-                "skips_in_row": self.skips_in_row, "peak_grad": list(self.peak_grad)}
+                "skips_in_row": self.skips_in_row, "peak_grad": list(self.peak_grad),
+                "momentum_bound": list(self.momentum_bound())}
+
+    def momentum_bound(self) -> tuple[int, int]:
+        """κ's record over the whole run: (learned θ_t it lowered, learned θ_t it bounded)."""
+        now = momentum_bound_record(self.model)
+        return self.earlier_bound[0] + now[0], self.earlier_bound[1] + now[1]
 
     def save(self) -> None:
         """Checkpoint the current step (rank 0; once per step)."""
@@ -548,6 +571,7 @@ class Trainer:
         self.skipped_steps = state["skipped_steps"]
         self.skips_in_row = state.get("skips_in_row", 0)  # absent from checkpoints written before it was kept
         self.peak_grad = tuple(state.get("peak_grad", (0.0, 0)))  # likewise
+        self.earlier_bound = tuple(state.get("momentum_bound", (0, 0)))  # likewise (unknown before it: counted as 0)
         self.carried = load_carried(path, self.device)
         self.saved_step = self.step
         if self.metrics is not None:
@@ -701,18 +725,19 @@ class Trainer:
         self.save()
         evaluation = self._evaluate(cfg.task.eval_lengths)
         num_parameters = sum(p.numel() for p in self.model.parameters())
+        bound = self.momentum_bound()
         if self.rank == 0:
             self._log({"step": self.step, "final": True, "eval": evaluation})
             (self.run_dir / "eval.json").write_text(json.dumps(
                 {"name": cfg.run_name, "task": cfg.task.name, "train_length": cfg.task.train_length,
                  "step": self.step, "train_seconds": self.train_seconds, "num_parameters": num_parameters,
                  "skipped_steps": self.skipped_steps, "peak_grad_norm": self.peak_grad[0],
-                 "peak_grad_step": self.peak_grad[1],
+                 "peak_grad_step": self.peak_grad[1], "momentum_bound_share": bound_share(bound),
                  "results": {str(k): v for k, v in evaluation.items()}}, indent=2))
             self.metrics.close()
         loss = self.last_read.loss if self.last_read is not None else math.nan  # nan: resumed with no step left
         return TrainResult(self.step, loss, evaluation, self.train_seconds, num_parameters, self.skipped_steps,
-                           self.peak_grad)
+                           self.peak_grad, bound)
 
     def _out_of_time(self) -> bool:
         """Whether training has used up cfg.time_budget_s; under DDP as soon as any rank has (all stop together)."""
