@@ -263,9 +263,10 @@ def test_evaluations_are_kept_apart_and_survive_pruning(tmp_path, monkeypatch):
     assert result.exit_code == 0 and result.stdout.splitlines()[-1] == str(best / "eval_passkey.json")
 
 
-def test_train_prints_metrics_by_position_and_the_largest_gradient(tmp_path):
+def test_train_prints_metrics_by_position_the_largest_gradient_and_the_bound_share(tmp_path):
     """An lm-style run evaluates by position (lists in eval.json): the summary prints them, it does not crash after
-    training, and it names the largest gradient norm before clipping."""
+    training, and it names the largest gradient norm before clipping and the share of θ_t the momentum-gain bound
+    lowered."""
     out = tmp_path / "run"
     result = runner.invoke(app, ["train", str(TINY), "--out", str(out), "--quiet", "train.steps=2",
                                  "eval_position_buckets=2"])
@@ -276,6 +277,8 @@ def test_train_prints_metrics_by_position_and_the_largest_gradient(tmp_path):
     assert "loss_by_position [" in result.stdout
     assert f"largest gradient norm before clipping: {saved['peak_grad_norm']:.4g} at step " \
            f"{saved['peak_grad_step']}" in result.stdout
+    assert "learned θ_t lowered by the momentum-gain bound (κ = 1): " in result.stdout
+    assert f"({saved['momentum_bound_share']:.3%})" in result.stdout
 
 
 def test_force_keeps_the_old_run_when_the_training_split_cannot_serve(tmp_path):
