@@ -309,25 +309,25 @@ def position_line(data: dict[str, Any], panel: dict[str, Any], name: str) -> str
            f"{x_text(panel['x'][-1])}): " + ", ".join(pairs) + "."
 
 
+def largest(runs: list[dict[str, Any]], key: str) -> dict[str, Any] | None:
+    """The run with the largest `key` among a model's runs that recorded one; None where none did."""
+    kept = [r for r in runs if r.get(key) is not None]
+    return max(kept, key=lambda r: r[key]) if kept else None
+
+
 def peak_grad(runs: list[dict[str, Any]]) -> str:
     """The largest gradient norm before clipping over a model's runs, with the seed and step it came at: a spike
     that clipping absorbed is still seen. "—" where no run recorded it (runs trained before it was kept)."""
-    kept = [r for r in runs if "peak_grad_norm" in r]
-    if not kept:
-        return "—"
-    top = max(kept, key=lambda r: r["peak_grad_norm"])
-    return f"{top['peak_grad_norm']:.3g} (s{top['seed']}: {top['peak_grad_step']})"
+    top = largest(runs, "peak_grad_norm")
+    return "—" if top is None else f"{top['peak_grad_norm']:.3g} (s{top['seed']}: {top['peak_grad_step']})"
 
 
 def bound_lowered(runs: list[dict[str, Any]]) -> str:
     """The largest share of learned θ_t that the momentum-gain bound lowered in training over a model's runs, with
     its seed: where the bound acted, the run differs from one under the paper's free gates. "—" where no run
     bounded θ (no memory, κ off, constant gates) or recorded it (runs trained before it was kept)."""
-    kept = [r for r in runs if r.get("momentum_bound_share") is not None]
-    if not kept:
-        return "—"
-    top = max(kept, key=lambda r: r["momentum_bound_share"])
-    return f"{top['momentum_bound_share']:.2%} (s{top['seed']})"
+    top = largest(runs, "momentum_bound_share")
+    return "—" if top is None else f"{top['momentum_bound_share']:.2%} (s{top['seed']})"
 
 
 def run_facts(data: dict[str, Any]) -> str:
