@@ -3,10 +3,17 @@
 Without a GPU the kernels run under Triton's interpreter (TRITON_INTERPRET=1, numpy on CPU tensors, set here before
 `titans.memory.triton_scan` is imported), so they are held to the reference on every machine where triton is
 installed; with a GPU they run compiled, on CUDA tensors. Shapes are small (dim 4, hidden 8, 2–3 chunks of 4 with a
-ragged last one): the interpreter runs every program of the grid one after the other in numpy.
+ragged last one): the interpreter runs every program of the grid one after the other in numpy. The interpreter runs
+any Python, so the kernels are also compiled for an sm_90 GPU here (`compile_for_gpu.py`), as a GPU would compile
+them.
 """
 
+import inspect
+import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +21,8 @@ import torch
 if not torch.cuda.is_available():  # (tests/conftest.py sets it first, before anything imports triton)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton", reason="triton is not installed (pip install -c constraints.txt -e '.[gpu]')")
+
+import triton  # noqa: E402
 
 from titans.memory import parallel_memory, sequential_memory, triton_scan  # noqa: E402
 from titans.memory.parallel import serving_implementation  # noqa: E402
@@ -153,18 +162,28 @@ def test_double_backward_is_refused_even_for_a_loss_linear_in_y():
 
 
 def test_which_implementation_serves_a_call():
-    """The rule in one place: CPU tensors take "fused" by default, a callable θ and a channel-wise α "autograd", and
-    "triton" asked for where the kernels cannot serve the call is an error that names why."""
+    """The rule in one place: CPU tensors take "fused" by default (CUDA tensors "triton" where it serves them), a
+    callable θ and a channel-wise α "autograd", and "triton" asked for where the kernels cannot serve the call is an
+    error that names why."""
     q, k, v, theta, eta, alpha, weights, momentum = inputs(5, 3)
     assert serving_implementation(None, q, theta, alpha, weights[:2]) == "fused"
+    if DEVICE == "cuda":
+        assert serving_implementation(None, q.cuda(), theta, alpha, [w.cuda() for w in weights[:2]]) == "triton"
     assert serving_implementation("triton", q, lambda *a: theta, alpha, weights) == "autograd"
     channels = tuple(alpha.unsqueeze(-1).expand(*alpha.shape, w.shape[-1]) for w in weights)
     assert serving_implementation("triton", q, theta, channels, weights) == "autograd"
+    # where the kernels run (the interpreter's CPU tensors, else CUDA's), what they cannot serve
+    q, k, v, theta, eta, alpha = (t.to(DEVICE) for t in (q, k, v, theta, eta, alpha))
+    weights, momentum = ([t.to(DEVICE) for t in ts] for ts in (weights, momentum))
     with pytest.raises(ValueError, match="depth 3"):
         parallel_memory(q, k, v, theta, eta, alpha, weights, momentum, implementation="triton")
-    big = (torch.zeros(2, 2, 4, 2048, dtype=q.dtype), torch.zeros(2, 2, 2048, 4, dtype=q.dtype))
+    big = (torch.zeros(2, 2, 4, 2048, dtype=q.dtype, device=DEVICE),
+           torch.zeros(2, 2, 2048, 4, dtype=q.dtype, device=DEVICE))
     with pytest.raises(ValueError, match="on chip"):
         serving_implementation("triton", q, theta, alpha, big)
+    with pytest.raises(ValueError, match="chunk size 32"):
+        serving_implementation("triton", q, theta, alpha, weights[:2], chunk_size=32)
+    assert serving_implementation(None, q, theta, alpha, weights[:2], chunk_size=32) == "fused"
     with pytest.raises(ValueError, match="implementation"):
         serving_implementation("cuda", q, theta, alpha, weights)
 
@@ -183,3 +202,97 @@ def test_the_layer_runs_the_implementation_it_is_given():
     assert (outs[0] - outs[1]).abs().max().item() <= 1e-5
     with pytest.raises(ValueError, match="implementation"):
         NeuralMemory(8, implementation="cuda")
+
+
+# --- compiled for a GPU, without one ------------------------------------------------------------------------------
+
+KERNELS = ("_scan_forward_kernel", "_scan_backward_kernel")
+TRITON_TYPES = {torch.float32: "fp32", torch.float64: "fp64", torch.bfloat16: "bf16", torch.float16: "fp16",
+                torch.int32: "i32", torch.int64: "i64"}
+
+
+def argument_type(value) -> str:
+    """Triton's signature type of a kernel argument as it reaches the kernel."""
+    if isinstance(value, torch.Tensor):
+        return "*" + TRITON_TYPES[value.dtype]
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32" if -2**31 <= value < 2**31 else "i64"
+    if isinstance(value, float):
+        return "fp32"
+    raise TypeError(f"a kernel argument of type {type(value).__name__}")
+
+
+class LaunchRecorder:
+    """Stands in for a kernel: records each launch's argument types and constexprs (a Triton dtype as "dtype:NAME"),
+    then launches it."""
+
+    def __init__(self, name: str, kernel, launches: list):
+        self.name, self.kernel, self.launches = name, kernel, launches
+        self.signature = inspect.signature(kernel.fn)
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            signature, constexprs = {}, {}
+            for name, value in self.signature.bind(*args, **kwargs).arguments.items():
+                if self.signature.parameters[name].annotation in ("tl.constexpr", triton.language.constexpr):
+                    signature[name] = "constexpr"
+                    constexprs[name] = f"dtype:{value}" if isinstance(value, triton.language.dtype) else value
+                else:
+                    signature[name] = argument_type(value)
+            record = dict(kernel=self.name, signature=signature, constexprs=constexprs)
+            if record not in self.launches:
+                self.launches.append(record)
+            return self.kernel[grid](*args, **kwargs)
+        return launch
+
+
+def largest_admitted_shapes() -> list[dict]:
+    """The tiles of the largest memories `unsupported` lets the kernels serve: every split of MAX_STATE_BLOCK into
+    d_in × hidden (values as wide as keys), at the largest chunk."""
+    shapes = []
+    for d_in in (16, 32, 64, 128):
+        hidden = triton_scan.MAX_STATE_BLOCK // d_in
+        q = torch.zeros(1, 1, d_in, device=DEVICE)
+        weights = (torch.zeros(1, d_in, hidden, device=DEVICE), torch.zeros(1, hidden, d_in, device=DEVICE))
+        if hidden >= 16 and triton_scan.unsupported(q, weights, triton_scan.MAX_CHUNK_BLOCK) is None:
+            shapes.append(dict(BD=d_in, BN1=hidden, BV=d_in, CH=triton_scan.MAX_CHUNK_BLOCK,
+                               BN=triton_scan.MAX_CHUNK_BLOCK))
+    return shapes
+
+
+@pytest.mark.slow
+def test_the_kernels_compile_for_an_h100(monkeypatch, tmp_path):
+    """What the interpreter lets through, a GPU's compiler need not: a compiled kernel reads a module global only as
+    a tl.constexpr (an H100 refused the GELU kernels over a plain float), and a program must fit the chip's shared
+    memory (it refused a 64 × 128 state that `unsupported` then admitted). So the kernels, as the cases here launch
+    them, are compiled for sm_90 by triton's compiler and ptxas; and at the largest shapes `unsupported` admits, with
+    bf16 inputs and a float32 state as a model trains, they ask for at most SHARED_MEMORY_LIMIT."""
+    pytest.importorskip("triton.backends.nvidia.compiler", reason="triton has no CUDA backend here")
+    launches = []
+    for name in KERNELS:
+        monkeypatch.setattr(triton_scan, name, LaunchRecorder(name, getattr(triton_scan, name), launches))
+    for rule in ("linear-bounded-silu-no-residual", "deep-default-rule-groups"):
+        depth, kwargs = RULES[rule]
+        outputs_and_grads(with_grad(on_device(inputs(11, depth))), "triton", chunk_size=4, **kwargs)
+    trained = on_device(inputs(11, 2), torch.float32)
+    trained[:3] = [t.bfloat16() for t in trained[:3]]
+    outputs_and_grads(with_grad(trained), "triton", chunk_size=4, max_grad_norm=0.5, max_state_norm=0.7)
+    assert {launch["kernel"] for launch in launches} == set(KERNELS)
+    bf16 = [launch for launch in launches if launch["signature"]["q_ptr"] == "*bf16"]
+    shapes = largest_admitted_shapes()
+    assert shapes and len(bf16) == 2
+    to_compile = [dict(launch, ptxas=True) for launch in launches]
+    to_compile += [dict(launch, ptxas=False, constexprs={**launch["constexprs"], **shape})
+                   for launch in bf16 for shape in shapes]
+    (tmp_path / "launches.json").write_text(json.dumps(to_compile))
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    done = subprocess.run([sys.executable, str(Path(__file__).with_name("compile_for_gpu.py")),
+                           str(tmp_path / "launches.json")], env=env, capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for launch, result in zip(to_compile, json.loads(done.stdout.splitlines()[-1]), strict=True):
+        where = (launch["kernel"], launch["signature"]["q_ptr"], launch["constexprs"])
+        assert "error" not in result, (where, result.get("error"))
+        assert result["shared"] <= triton_scan.SHARED_MEMORY_LIMIT, (where, result["shared"])

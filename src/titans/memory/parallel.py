@@ -269,14 +269,14 @@ def _compiled_chunk_step() -> ChunkStep:
 
 
 def serving_implementation(implementation: Optional[str], q: Tensor, theta: Theta, alpha: Alpha,
-                           weights: Weights) -> str:
+                           weights: Weights, chunk_size: int = 16) -> str:
     """Which implementation runs a `parallel_memory` call: the one place that decides.
 
     None picks "triton" where the kernels serve the call (CUDA tensors, triton installed, memory depth 1 or 2, state
-    matrices small enough to stay on chip: `triton_scan.unsupported`), else "fused"; "compile" runs only when asked
-    for. A callable θ (evaluated per chunk on the chunk's surprise), a channel-wise α and an empty sequence always
-    take "autograd". "triton" or "compile" asked for where it cannot serve the call is an error naming why, not a
-    silent fallback."""
+    matrices and chunks small enough to stay on chip: `triton_scan.unsupported`), else "fused"; "compile" runs only
+    when asked for. A callable θ (evaluated per chunk on the chunk's surprise), a channel-wise α and an empty
+    sequence always take "autograd". "triton" or "compile" asked for where it cannot serve the call is an error
+    naming why, not a silent fallback."""
     if implementation is not None and implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None, got {implementation!r}")
     if not isinstance(theta, Tensor) or not isinstance(alpha, Tensor) or q.shape[2] == 0:
@@ -285,11 +285,12 @@ def serving_implementation(implementation: Optional[str], q: Tensor, theta: Thet
         raise ValueError(f"implementation='compile' cannot serve this call: {reason}")
     if implementation == "triton":
         scan = _triton_scan()
-        reason = "triton is not installed (pip install 'titans[gpu]')" if scan is None else scan.unsupported(q, weights)
+        reason = ("triton is not installed (pip install 'titans[gpu]')" if scan is None
+                  else scan.unsupported(q, weights, chunk_size))
         if reason is not None:
             raise ValueError(f"implementation='triton' cannot serve this call: {reason}")
     if implementation is None:  # triton is imported only for CUDA tensors
-        serves = q.is_cuda and (scan := _triton_scan()) is not None and scan.unsupported(q, weights) is None
+        serves = q.is_cuda and (scan := _triton_scan()) is not None and scan.unsupported(q, weights, chunk_size) is None
         return "triton" if serves else "fused"
     return implementation
 
@@ -366,7 +367,7 @@ def parallel_memory(
     rule = Rule(max_grad_norm, max_state_norm, normalize_chunk, float(hidden_step))
     if checkpoint_chunks is not None and (not isinstance(checkpoint_chunks, int) or checkpoint_chunks < 1):
         raise ValueError(f"checkpoint_chunks must be a positive integer or None, got {checkpoint_chunks!r}")
-    implementation = serving_implementation(implementation, q, theta, alpha, weights)
+    implementation = serving_implementation(implementation, q, theta, alpha, weights, chunk_size)
     out_dtype = q.dtype
     state_dtype = weights[0].dtype
     if isinstance(theta, Tensor):

@@ -43,14 +43,21 @@ from .fused import ChunkDecays, ScanConfig, _block_decays, _groups, refuse_doubl
 # numpy.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
-# Largest state matrix (d_in × d_out, each padded to a power of two ≥ 16) a program holds on chip: with four such
-# matrices carried between chunks (W_1, S_1, W_2, S_2) larger ones leave the registers. A guess without a GPU to
-# measure on; larger shapes take `fused.py` (DESIGN.md §2).
-MAX_STATE_BLOCK = 128 * 128
+# What a program holds on chip: its state matrices (d_in × d_out, each padded to a power of two ≥ 16) and the
+# chunk's tiles (CH rows). The backward kernel's shared memory grows with both, and an sm_90 GPU (H100, H200) gives a
+# program at most SHARED_MEMORY_LIMIT. State matrices of up to 2048 elements (32 × 64, 16 × 128, 128 × 16, …) in
+# chunks of 16 stay under it. 64 × 64 does not, and neither does 128 × 16 in chunks of 32. An H100 refused 64 × 128
+# with "out of resource: shared memory". tests/memory/test_triton.py compiles the largest shapes admitted here for
+# sm_90. Larger shapes take the fused chunk loop (DESIGN.md §2).
+MAX_STATE_BLOCK = 64 * 32
+MAX_CHUNK_BLOCK = 16
+SHARED_MEMORY_LIMIT = 227 * 1024
 
 _ACTIVATION_CODES = {"gelu": 0, "silu": 1}
-_INV_SQRT2 = 0.7071067811865476
-_INV_SQRT2PI = 0.3989422804014327
+# A compiled kernel reads a module global only as a tl.constexpr (the interpreter reads any global, so only a
+# compilation catches a plain float here: tests/memory/test_triton.py compiles every kernel for sm_90).
+_INV_SQRT2 = tl.constexpr(0.7071067811865476)
+_INV_SQRT2PI = tl.constexpr(0.3989422804014327)
 
 
 def _block(n: int) -> int:
@@ -58,8 +65,8 @@ def _block(n: int) -> int:
     return max(16, triton.next_power_of_2(n))
 
 
-def unsupported(q: Tensor, weights) -> Optional[str]:
-    """Why the kernels cannot serve a call with these queries and state, or None where they can."""
+def unsupported(q: Tensor, weights, chunk_size: int) -> Optional[str]:
+    """Why the kernels cannot serve a call with these queries, state and chunk size, or None where they can."""
     if not (q.is_cuda or (INTERPRET and q.is_cpu)):
         return (f"the tensors are on {q.device}: the Triton kernels run on CUDA tensors (or on CPU tensors under "
                 "TRITON_INTERPRET=1, set before titans.memory.triton_scan is imported)")
@@ -74,6 +81,8 @@ def unsupported(q: Tensor, weights) -> Optional[str]:
         if block > MAX_STATE_BLOCK:
             return (f"weights[{i}] is {w.shape[-2]} × {w.shape[-1]} ({block} elements padded), above the "
                     f"{MAX_STATE_BLOCK} a Triton program holds on chip")
+    if _block(chunk_size) > MAX_CHUNK_BLOCK:
+        return f"chunk size {chunk_size}: a Triton program holds chunks of at most {MAX_CHUNK_BLOCK} tokens on chip"
     return None
 
 
@@ -572,8 +581,13 @@ def _params(cfg: ScanConfig, state: list[Tensor]) -> Tensor:
     """The rule's numbers as a tensor of the state's dtype (a float argument would reach the kernel as float32):
     max_grad_norm, ρ, and the balls' radii max_state_norm · √d_out of layers 1 and 2."""
     radii = [(cfg.max_state_norm or 0.0) * state[i].shape[-1] ** 0.5 for i in (0, len(state) - 2)]
-    return torch.tensor([cfg.max_grad_norm or 0.0, cfg.hidden_step, *radii], dtype=state[0].dtype,
-                        device=state[0].device)
+    values = [cfg.max_grad_norm or 0.0, cfg.hidden_step, *radii]
+    # Filled on the device, each number a kernel argument: torch.tensor(values, device=...) would copy them from host
+    # memory, and on a GPU that copy is a host sync in every training step.
+    params = torch.empty(len(values), dtype=state[0].dtype, device=state[0].device)
+    for i, value in enumerate(values):
+        params[i:i + 1].fill_(value)
+    return params
 
 
 def _run_forward(meta: dict, q, k, v, theta, dec: ChunkDecays, params, start: list[Tensor], saved: list[Tensor],
