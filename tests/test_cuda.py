@@ -121,8 +121,9 @@ def test_the_token_range_is_read_back_only_in_debug_mode(monkeypatch):
     with pytest.raises(ValueError, match=r"tokens must lie in \[0, 32\)"):
         model(bad)
     monkeypatch.delenv("TITANS_CHECKS")
+    ids = tokens(1, 8).to(CUDA)  # (a copy from pageable host memory is itself a sync)
     torch.cuda.set_sync_debug_mode("error")
     try:
-        model(tokens(1, 8).to(CUDA))  # in range, without the debug mode: no sync
+        model(ids)  # in range, without the debug mode: no sync
     finally:
         torch.cuda.set_sync_debug_mode("default")

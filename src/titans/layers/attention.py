@@ -136,11 +136,13 @@ def banded_attention(q: Tensor, q_pos: Tensor, k: Tensor, v: Tensor, k_pos: Tens
 
 
 # ----------------------------------------------------------------------------- MAC segment
-def segment_visibility(n_persistent: int, offset: int, n_queries: int, n_keys: int) -> Tensor:
+def segment_visibility(n_persistent: int, offset: int, n_queries: int, n_keys: int,
+                       device: Optional[torch.device] = None) -> Tensor:
     """Boolean [n_queries, n_persistent + 2 · n_keys] over [p ‖ h ‖ x] for queries at segment offsets
-    offset .. offset + n_queries − 1: every p, and h_j, x_j for j ≤ the query's offset."""
-    q_off = torch.arange(offset, offset + n_queries)
-    causal = torch.arange(n_keys)[None, :] <= q_off[:, None]
+    offset .. offset + n_queries − 1: every p, and h_j, x_j for j ≤ the query's offset. Made where it is used: a
+    copy from host memory to a GPU is a host sync."""
+    q_off = torch.arange(offset, offset + n_queries, device=device)
+    causal = torch.arange(n_keys, device=device)[None, :] <= q_off[:, None]
     return torch.cat([causal.new_ones(n_queries, n_persistent), causal, causal], dim=1)
 
 
@@ -149,7 +151,7 @@ def segment_attention(q: Tensor, k: Tensor, v: Tensor, n_persistent: int, offset
     n_keys = (k.shape[2] - n_persistent) // 2
     if q.shape[2] == 1 and n_keys == offset + 1:  # one query, the segment's last token so far: it sees every key
         return F.scaled_dot_product_attention(q, k, v)
-    mask = segment_visibility(n_persistent, offset, q.shape[2], n_keys).to(q.device)
+    mask = segment_visibility(n_persistent, offset, q.shape[2], n_keys, q.device)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
