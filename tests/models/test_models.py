@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+from torch import nn
 
 from titans import TitansConfig, TitansLM
 from titans.layers import states_trusted, trusted_states
@@ -332,6 +333,30 @@ def test_save_and_load_pretrained(tmp_path):
     config.write_text(config.read_text().replace('"dim": 16', '"dim": 16, "dim": 32'))
     with pytest.raises(ValueError, match=r"config.json is not valid JSON: duplicate key\(s\) \['dim'\]"):
         TitansLM.from_pretrained(tmp_path / "m")
+
+
+def test_an_lstm_whose_weights_share_one_buffer_saves_and_loads(tmp_path):
+    """On CUDA cuDNN packs the LSTM's weights into one buffer (each parameter a view of part of it), which
+    safetensors refuses to save: made here on the CPU the same way, the model saves, loads and computes as before."""
+    model = tiny_model("lstm")
+    for block in model.backbone.blocks:
+        lstm = block.mixer.lstm
+        flat = torch.cat([p.detach().reshape(-1) for p in lstm._flat_weights])
+        at = 0
+        for name, p in zip(lstm._flat_weights_names, lstm._flat_weights):
+            setattr(lstm, name, nn.Parameter(flat[at:at + p.numel()].view_as(p)))
+            at += p.numel()
+        lstm._init_flat_weights()
+    shared = model.backbone.blocks[0].mixer.lstm.weight_ih_l0
+    assert shared.untyped_storage().nbytes() > shared.numel() * shared.element_size()  # as cuDNN leaves them
+    model.save_pretrained(tmp_path / "m")
+    again = TitansLM.from_pretrained(tmp_path / "m")
+    x = tokens(1, 12)
+    assert torch.equal(again(x)[0], model(x)[0])
+    assert model.state_dict()["backbone.blocks.0.mixer.lstm.weight_ih_l0"].data_ptr() != shared.data_ptr()
+    plain = tiny_model("lstm")  # weights of their own: the state dict copies nothing
+    weight = plain.backbone.blocks[0].mixer.lstm.weight_ih_l0
+    assert plain.state_dict()["backbone.blocks.0.mixer.lstm.weight_ih_l0"].data_ptr() == weight.data_ptr()
 
 
 def test_save_pretrained_overwrites_nothing_unless_asked(tmp_path):

@@ -50,6 +50,7 @@ class LSTMMixer(nn.Module):
     def __init__(self, cfg: TitansConfig):
         super().__init__()
         self.lstm = nn.LSTM(cfg.dim, cfg.dim, batch_first=True)
+        self.register_state_dict_post_hook(_weights_of_their_own)
 
     def forward(self, x: Tensor, state: Optional[LSTMState] = None) -> tuple[Tensor, LSTMState]:
         if state is not None:
@@ -70,6 +71,15 @@ class LSTMMixer(nn.Module):
         else:
             y, (h, c) = self.lstm(x, hc)
         return y, LSTMState(h, c)
+
+
+def _weights_of_their_own(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+    """On CUDA, cuDNN packs an LSTM's weights into one buffer and each parameter is a view of a part of it; safetensors
+    refuses to save tensors that share a storage none of them covers, so a GPU model's checkpoint and save_pretrained
+    would fail. The state dict gives such views a storage of their own (elsewhere it is unchanged: no copy)."""
+    for name, tensor in state_dict.items():
+        if name.startswith(prefix) and tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
+            state_dict[name] = tensor.clone()
 
 
 def build_lstm_mixer(cfg: TitansConfig) -> LSTMMixer:
