@@ -31,6 +31,7 @@ from torch import Tensor
 
 from ..config import apply_overrides
 from ..memory.layer import MemoryState, NeuralMemory
+from ..models.config import TITANS_VARIANTS
 from ..models.state_io import detached, state_nodes
 from ..tasks import Task
 from ..train.checkpoint import checkpoint_step, load_checkpoint_config, load_weights, resolve_checkpoint
@@ -79,7 +80,7 @@ def replay_config(checkpoint: Path, overrides: list[str]) -> TrainConfig:
     if outside:
         raise ValueError(f"a replay changes model fields only (model.FIELD=VALUE); got {', '.join(outside)}")
     cfg = load_checkpoint_config(checkpoint)
-    if cfg.model.variant not in ("lmm", "mac", "mag", "mal"):
+    if cfg.model.variant not in TITANS_VARIANTS:
         raise ValueError(f"{cfg.model.variant} has no neural memory; the replay measures the memory's backward pass")
     if cfg.carry_windows != 1:
         raise ValueError(f"the run reads windows on through its state (carry_windows={cfg.carry_windows}); a replay "

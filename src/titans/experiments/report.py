@@ -14,6 +14,8 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+from ..models.config import TITANS_VARIANTS
+
 # the issues' order; others follow by name
 ORDER = ("niah", "babilong", "mqar", "long", "capacity", "efficiency", "lm", "ablations_lm", "ablations_niah",
          "continual")
@@ -278,7 +280,7 @@ def observations(data: dict[str, Any]) -> list[str]:
     against its last."""
     variant_of = {run["model"]: run["config"].get("model", {}).get("variant", run["model"])
                   for run in data["runs"].values() if isinstance(run.get("config"), dict)}
-    memory = {m for m in data["results"] if variant_of.get(m, m) in ("lmm", "mac", "mag", "mal")}
+    memory = {m for m in data["results"] if variant_of.get(m, m) in TITANS_VARIANTS}
     lines = []
     for name, panel in data["panels"].items():
         if "positions_of" in panel:

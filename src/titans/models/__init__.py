@@ -1,10 +1,11 @@
 """Titans architectures (LMM, MAC, MAG, MAL) and baselines behind one LM class and one config."""
 
-from .config import VARIANTS, TitansConfig
+from .config import TITANS_VARIANTS, VARIANTS, TitansConfig
 from .lm import MIXERS, Backbone, TitansLM, sample_next
 from .state_io import load_state, save_state
 
-__all__ = ["VARIANTS", "TitansConfig", "MIXERS", "Backbone", "TitansLM", "sample_next", "load_state", "save_state"]
+__all__ = ["VARIANTS", "TITANS_VARIANTS", "TitansConfig", "MIXERS", "Backbone", "TitansLM", "sample_next", "load_state",
+           "save_state"]
 
 from .encoder import ClassificationHead, ForecastHead, RegressionHead, TitansEncoder  # noqa: E402
 

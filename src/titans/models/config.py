@@ -10,6 +10,7 @@ from ..config import Config
 
 Variant = Literal["lmm", "mac", "mag", "mal", "transformer", "swa", "lstm", "gated_deltanet"]
 VARIANTS: tuple[str, ...] = get_args(Variant)
+TITANS_VARIANTS = ("lmm", "mac", "mag", "mal")  # the variants with a neural long-term memory; the rest are baselines
 # Far above any real vocabulary (large LLM tokenizers have ~256k tokens); a typo past it would otherwise fail
 # allocating the embedding table with an allocator traceback instead of an error naming the field.
 MAX_VOCAB_SIZE = 2**24
