@@ -61,3 +61,53 @@ def saved_byte_lm(tmp_path_factory):
     directory = tmp_path_factory.mktemp("titans") / "model"
     model.save_pretrained(directory)
     return directory, model
+
+
+def write_corpus(root) -> dict:
+    """A small corpus of every kind `titans data prepare` reads, generated (nothing downloaded): 24 text files, a JSON
+    Lines file and a Parquet file (when pyarrow is installed), and one document of each kind that is skipped. Returns
+    {"root", "documents": the readable texts, "skipped": {reason: count}}."""
+    import json
+
+    from titans.tasks.text import generated_text
+
+    root.mkdir(parents=True, exist_ok=True)
+    texts = []
+    for i in range(24):
+        text = f"# file {i}\n" + generated_text(600 + 97 * i, torch.Generator().manual_seed(i)) + "\nnaïve café ✓\n"
+        (root / f"doc{i:02d}.txt").write_text(text, encoding="utf-8")
+        texts.append(text)
+    records = []
+    for i in range(12):
+        text = generated_text(300 + 31 * i, torch.Generator().manual_seed(100 + i))
+        records.append(json.dumps({"text": text, "id": i}))
+        texts.append(text)
+    records += ["{not json", json.dumps({"body": "no text field"}), json.dumps({"text": ""})]
+    (root / "records.jsonl").write_text("\n".join(records) + "\n", encoding="utf-8")
+    (root / "image.bin").write_bytes(bytes(range(256)) * 8)  # binary: NUL bytes
+    (root / "latin1.txt").write_bytes("caf\xe9 au lait".encode("latin-1"))  # not UTF-8
+    (root / ".hidden.txt").write_text("never read")
+    skipped = {"binary": 1, "undecodable": 1, "malformed": 1, "no_text": 1, "empty": 1}
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        return {"root": root, "documents": texts, "skipped": skipped}
+    rows = [generated_text(200 + 13 * i, torch.Generator().manual_seed(200 + i)) for i in range(10)]
+    pq.write_table(pa.table({"text": rows + [None]}), root / "rows.parquet", row_group_size=4)
+    skipped["no_text"] += 1
+    return {"root": root, "documents": texts + rows, "skipped": skipped}
+
+
+@pytest.fixture(scope="session")
+def token_shards(tmp_path_factory):
+    """The corpus of `write_corpus` prepared into token shards (a byte-level BPE of 320 tokens trained on it, a fifth
+    of the documents held out): {"dir", "corpus", "metadata"}. For the data, task, CLI and training tests."""
+    pytest.importorskip("tokenizers", reason="the data extra (tokenizers) is not installed")
+    from titans.data.prepare import PrepareOptions, prepare
+
+    corpus = write_corpus(tmp_path_factory.mktemp("corpus") / "corpus")
+    out = tmp_path_factory.mktemp("shards") / "shards"
+    metadata = prepare(PrepareOptions(inputs=[str(corpus["root"])], vocab_size=320, val_fraction=0.2), out,
+                       workers=1, quiet=True)
+    return {"dir": out, "corpus": corpus, "metadata": metadata}

@@ -1,4 +1,4 @@
-"""The `titans` command line: train, eval, generate, export, bench, demo, experiment.
+"""The `titans` command line: data, train, eval, generate, export, bench, demo, experiment.
 
 Bad input ends with one line on stderr per problem ("error: ...", e.g. each refused field of a config) and exit
 code 2, never a traceback wall (the commands turn the library's ValueErrors into those lines; `main` does the same
@@ -24,6 +24,9 @@ app.add_typer(bench_app, name="bench")
 experiment_app = typer.Typer(help="Experiments: grids of runs (configs/experiments/*.yaml), their JSON, the report.",
                              no_args_is_help=True)
 app.add_typer(experiment_app, name="experiment")
+data_app = typer.Typer(help="Data for language models: a tokenizer and token shards from local text.",
+                       no_args_is_help=True)
+app.add_typer(data_app, name="data")
 
 USAGE_ERROR = 2
 
@@ -296,6 +299,63 @@ def demo(
     from .train.demo import run_demo
 
     typer.echo(str(run_demo(out, configs, jobs=jobs, quiet=quiet, force=force)))
+
+
+@data_app.command("prepare")
+@friendly
+def data_prepare(
+    inputs: list[str] = typer.Argument(..., help="Text, JSON Lines (.jsonl) and Parquet files, directories (read "
+                                                 "recursively) or globs; a directory a Hugging Face dataset was saved "
+                                                 "to (the datasets extra)."),
+    out: Path = typer.Option(..., help="The shard directory to write (new, or empty)."),
+    vocab_size: int | None = typer.Option(None, help="Train a byte-level BPE tokenizer of this many tokens here."),
+    tokenizer: Path | None = typer.Option(None, help="Or use this tokenizer.json (or a tokenizer directory holding "
+                                                     "one)."),
+    eot_token: str | None = typer.Option(None, help="The document separator of a --tokenizer (default: its "
+                                                    "eos_token, or a known end-of-text token)."),
+    val_fraction: float = typer.Option(0.01, help="Share of the documents held out for validation (by a hash of "
+                                                  "each document's id)."),
+    text_field: str = typer.Option("text", help="The JSON field / Parquet or dataset column holding the text."),
+    shard_mib: float = typer.Option(64.0, help="Text per unit of work (one shard per split each)."),
+    tokenizer_sample_mib: float = typer.Option(256.0, help="Training text the BPE tokenizer learns from, at most."),
+    workers: int | None = typer.Option(None, min=1, help="Processes tokenizing at once (default: one per core)."),
+    strict: bool = typer.Option(False, help="Refuse binary or undecodable files and malformed records (default: "
+                                            "skip and count them)."),
+    resume: bool = typer.Option(False, help="Continue an interrupted preparation of --out."),
+    force: bool = typer.Option(False, help="Replace a preparation already in --out (one titans made)."),
+    quiet: bool = typer.Option(False, help="No progress bar."),
+) -> None:
+    """Train or load a tokenizer and write token shards for `lm_tokens` (the directory is the last line)."""
+    from .data.prepare import PrepareOptions, prepare
+
+    options = PrepareOptions(inputs=list(inputs), vocab_size=vocab_size,
+                             tokenizer=None if tokenizer is None else str(tokenizer), eot_token=eot_token,
+                             val_fraction=val_fraction, text_field=text_field, shard_mib=shard_mib,
+                             tokenizer_sample_mib=tokenizer_sample_mib, strict=strict)
+    meta = prepare(options, out, resume=resume, force=force, workers=workers, quiet=quiet)
+    _echo_shards(meta)
+    typer.echo(str(out))
+
+
+def _echo_shards(meta) -> None:
+    info = meta.tokenizer
+    typer.echo(f"tokenizer: {info.vocab_size} tokens ({info.origin}), end of text {info.eot_token!r} = {info.eot_id}, "
+               f"sha256 {info.sha256[:16]}...; shards of {meta.dtype}")
+    for split, stats in meta.splits.items():
+        typer.echo(f"{split}: {stats.documents} documents, {stats.tokens} tokens, {stats.bytes} bytes "
+                   f"({stats.bytes / max(stats.tokens, 1):.2f} bytes per token), {len(stats.shards)} shard(s)")
+    if meta.skipped:
+        typer.echo("skipped: " + ", ".join(f"{n} {reason.replace('_', ' ')}" for reason, n in meta.skipped.items())
+                   + (f" (e.g. {', '.join(meta.skipped_examples[:3])})" if meta.skipped_examples else ""))
+
+
+@data_app.command("info")
+@friendly
+def data_info(directory: Path = typer.Argument(..., help="A shard directory (titans data prepare --out).")) -> None:
+    """What a shard directory holds: tokenizer, documents, tokens and bytes per split, what was skipped."""
+    from .data import read_metadata
+
+    _echo_shards(read_metadata(directory))
 
 
 @experiment_app.command("list")

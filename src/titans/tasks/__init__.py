@@ -4,7 +4,7 @@
 returns a `TokenBatch`, `SeriesBatch` or `LabelBatch` of exactly `length` positions.
 """
 
-from . import babilong, copying, forecast, lm, needle, recall, ucr, wind  # noqa: F401  (importing registers the tasks)
+from . import babilong, copying, forecast, lm, lm_tokens, needle, recall, ucr, wind  # noqa: F401  (importing registers the tasks)
 from .base import (
     IGNORE_INDEX,
     TASKS,

@@ -17,6 +17,7 @@ from pydantic import ConfigDict
 from torch import Tensor
 
 from ..config import Config
+from ..data.codec import ByteCodec, TextCodec
 
 IGNORE_INDEX = -100
 
@@ -141,6 +142,25 @@ class Task:
 
     def _generate(self, batch_size: int, length: int, generator: torch.Generator) -> Batch:
         raise NotImplementedError
+
+    def recorded_options(self) -> Optional[dict[str, Any]]:
+        """Options a run's config records in place of those given (None: as given); a task read from data that can
+        change under it records what identifies that data (`lm_tokens`: its tokenizer's hash)."""
+        return None
+
+    def text_metrics(self, mean_loss: float) -> dict[str, float]:
+        """The language-modelling metrics of a mean loss per scored token in nats (bits per byte, perplexity); none
+        for tasks that are not language modelling."""
+        return {}
+
+    def bytes_per_token(self) -> Optional[float]:
+        """UTF-8 bytes of text per token of the evaluated split, for bits per byte; None where it means nothing."""
+        return None
+
+    def text_codec(self) -> Optional[TextCodec]:
+        """How text becomes this task's token ids and back (a prompt, generated text); None for tasks whose tokens
+        are not text."""
+        return ByteCodec() if self.byte_level else None
 
     def full_set(self, length: int) -> Optional[Batch]:
         """Every example of the task, in order, where it is a finite set (evaluation then reads each once instead of

@@ -97,6 +97,12 @@ class LmBytes(Task):
         o = self.options
         return corpus_bytes(o.root or stdlib_root(), o.pattern, o.split, o.val_fraction)
 
+    def bytes_per_token(self) -> float:
+        return 1.0
+
+    def text_metrics(self, mean_loss: float) -> dict[str, float]:
+        return {"bits_per_byte": bits_per_byte(mean_loss)}
+
     def _generate(self, batch_size: int, length: int, generator: torch.Generator) -> TokenBatch:
         data = self.data
         if len(data) < length + 1:

@@ -167,6 +167,9 @@ def load_train_config(path: str | Path | None = None, overrides: list[str] | Non
         if min(lengths) < task.min_length():
             raise ValueError(f"{field} ({min(lengths)}) is shorter than task {task.name} needs "
                              f"({task.min_length()} with its options)")
+    recorded = task.recorded_options()
+    if recorded is not None and recorded != cfg.task.options:  # e.g. the tokenizer an lm_tokens run trains with
+        cfg.task = cfg.task.replace(options=recorded)
     if task.vocab_size is not None and "vocab_size" not in (data.get("model") or {}):
         cfg.model = cfg.model.replace(vocab_size=task.vocab_size)
     check_model_fits_task(cfg.model, task)

@@ -249,15 +249,16 @@ class PositionLosses:
         self.loss += losses.double().sum(0).cpu()
         self.count += scored.sum(0).double().cpu()
 
-    def metrics(self, bits: bool) -> dict[str, list]:
+    def metrics(self, bytes_per_token: float | None) -> dict[str, list]:
         """{"position_ends", "loss_by_position"} (the mean loss per bucket in nats; None for a bucket with nothing
-        scored), and with `bits` also "bits_per_byte_by_position"."""
+        scored), and for a task with `bytes_per_token` (language modelling) also "bits_per_byte_by_position"."""
         starts = [0, *self.ends[:-1]]
         means = [None if self.count[a:b].sum() == 0 else (self.loss[a:b].sum() / self.count[a:b].sum()).item()
                  for a, b in zip(starts, self.ends)]
         out: dict[str, list] = {"position_ends": list(self.ends), "loss_by_position": means}
-        if bits:
-            out["bits_per_byte_by_position"] = [None if m is None else bits_per_byte(m) for m in means]
+        if bytes_per_token is not None:
+            out["bits_per_byte_by_position"] = [None if m is None else bits_per_byte(m) / bytes_per_token
+                                                for m in means]
         return out
 
 
@@ -268,7 +269,7 @@ class EvalPlan:
     `batch_size` at a time (`batches` and `seed` unused). The model reads them on `device`, `piece` tokens at a time
     through its state (None: in one call), under the autocast of `precision`, the `dtype` it trained in
     (`loss_terms`). `position_buckets` (token tasks): also the mean loss over each of that many equal spans of
-    positions (`loss_by_position`, and `bits_per_byte_by_position` for the byte-level LM), each span ending at
+    positions (`loss_by_position`, and `bits_per_byte_by_position` for language modelling), each span ending at
     `position_ends`: the loss against position in the context."""
 
     batches: int
@@ -326,10 +327,9 @@ class EvalTally:
         if task.vocab_size is not None:
             metrics["accuracy"] = self.matches / rows
             metrics["token_accuracy"] = self.right / count
-            if task.name == "lm_bytes":
-                metrics["bits_per_byte"] = bits_per_byte(metrics["loss"])
+            metrics.update(task.text_metrics(metrics["loss"]))
         if self.by_position is not None:
-            metrics.update(self.by_position.metrics(bits=task.name == "lm_bytes"))
+            metrics.update(self.by_position.metrics(task.bytes_per_token()))
         return metrics
 
 
