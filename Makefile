@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -c constraints.txt -e ".[test,hf,gpu]"  # hf, gpu: tests/test_hf.py and the Triton kernels (under the interpreter) run, not skip
+	$(BIN)/python -m pip install -q -c constraints.txt -e ".[test,hf,gpu,data,datasets]"  # hf, gpu, data, datasets: tests/test_hf.py, the Triton kernels (under the interpreter) and the data preparation's tests run, not skip
 	touch $(STAMP)
 
 install: $(STAMP)
