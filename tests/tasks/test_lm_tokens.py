@@ -44,7 +44,7 @@ def test_too_long_a_window_and_too_small_a_model_are_refused(token_shards):
     tokens = token_shards["metadata"].splits["val"].tokens
     with pytest.raises(ValueError, match=f"longest shard holds {tokens} tokens"):
         val.sample(1, tokens, torch.Generator().manual_seed(0))
-    with pytest.raises(ValueError, match=r"model.vocab_size \(300\) is smaller than task lm_tokens's vocabulary \(320\)"):
+    with pytest.raises(ValueError, match=r"vocab_size \(300\) is smaller than task lm_tokens's vocabulary \(320\)"):
         config(token_shards["dir"], "model.vocab_size=300")
     with pytest.raises(ValueError, match="data must name a shard directory"):
         get_task("lm_tokens")

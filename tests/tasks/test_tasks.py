@@ -44,8 +44,8 @@ def scored(targets_row):
 
 
 def test_every_task_is_covered():
-    # ucr and forecast_wind: tests/tasks/test_ucr.py and test_wind.py
-    assert set(TOKEN_TASKS) | {"forecast_sine", "forecast_csv", "ucr", "forecast_wind"} == set(TASKS)
+    # ucr, forecast_wind, lm_tokens (on shards a fixture prepares): test_ucr.py, test_wind.py, test_lm_tokens.py
+    assert set(TOKEN_TASKS) | {"forecast_sine", "forecast_csv", "ucr", "forecast_wind", "lm_tokens"} == set(TASKS)
 
 
 @pytest.mark.parametrize("name", sorted(TOKEN_TASKS))

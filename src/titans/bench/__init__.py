@@ -6,6 +6,7 @@ import dataclasses
 import json
 import os
 import platform
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -371,3 +372,34 @@ def generate(
                                    "model": base["model"], "prompt_len": prompt_len, "new_tokens": new_tokens,
                                    "rounds": rounds, "rows": rows}, indent=1))
         typer.echo(f"wrote {out}")
+
+
+@bench_app.command("loader")
+def loader(
+    data: Path = typer.Argument(..., help="A token shard directory (titans data prepare --out)."),
+    split: str = typer.Option("train", help="train or val."),
+    lengths: str = typer.Option("512,2048,4096", help="Tokens per row, comma-separated."),
+    batch: int = typer.Option(8, min=1, help="Rows per batch (one rank's micro-batch)."),
+    seconds: float = typer.Option(3.0, min=0.1, help="How long to draw batches at each length."),
+    threads: int = typer.Option(1, min=1, help="torch threads (one: a data loader shares its cores)."),
+    out: Optional[Path] = typer.Option(None, help="Write the points as JSON here."),
+) -> None:
+    """Tokens per second from memory-mapped shards into (pinned, where there is a GPU) batches, as training draws."""
+    import torch
+
+    from .loader import as_record, measure_loader
+
+    torch.set_num_threads(threads)
+    try:
+        points = [measure_loader(str(data), split, length, batch, seconds) for length in _int_list(lengths, "lengths")]
+    except ValueError as err:
+        raise typer.BadParameter(str(err)) from None
+    for p in points:
+        typer.echo(f"length {p.length:>6} x {p.batch_size}: {p.tokens_per_s / 1e6:8.1f} M tokens/s "
+                   f"({p.batches} batches in {p.seconds:.1f} s, {'pinned' if p.pinned else 'pageable: no GPU'})")
+    if out is not None:
+        record = {"command": "titans bench loader " + " ".join(sys.argv[3:]), "machine": describe_machine(),
+                  "torch_threads": threads, "points": [as_record(p) for p in points]}
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(record, indent=2))
+        typer.echo(str(out))

@@ -130,15 +130,27 @@ class Task:
     def sample(self, batch_size: int, length: int, generator: torch.Generator) -> Batch:
         """A batch of `batch_size` sequences of exactly `length` positions; the same generator state
         gives the same batch."""
+        self._check_request(batch_size, length)
+        if not isinstance(generator, torch.Generator):
+            raise ValueError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+        return self._generate(batch_size, length, generator)
+
+    def sample_seeded(self, seeds: list[int], length: int) -> Batch:
+        """One sequence of `length` positions per seed, row i a function of `seeds[i]` alone: how the trainer draws
+        (`train.loop.sample_rows`), so that a row is the same on any rank and after a resume. By default row i is
+        `sample(1, length, generator seeded by seeds[i])`; a task may draw faster as long as it stays a function of
+        the seed."""
+        self._check_request(len(seeds), length)
+        parts = [self._generate(1, length, torch.Generator().manual_seed(seed)) for seed in seeds]
+        return type(parts[0])(*(torch.cat(tensors) for tensors in zip(*parts)))
+
+    def _check_request(self, batch_size: int, length: int) -> None:
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
         minimum = self.min_length()
         if isinstance(length, bool) or not isinstance(length, int) or length < minimum:
             raise ValueError(f"length must be an integer >= {minimum} for task {self.name} "
                              f"with its options, got {length!r}")
-        if not isinstance(generator, torch.Generator):
-            raise ValueError(f"generator must be a torch.Generator, got {type(generator).__name__}")
-        return self._generate(batch_size, length, generator)
 
     def _generate(self, batch_size: int, length: int, generator: torch.Generator) -> Batch:
         raise NotImplementedError

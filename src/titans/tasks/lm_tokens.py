@@ -84,15 +84,29 @@ class LmTokens(Task):
         return self._ends[width]
 
     def _generate(self, batch_size: int, length: int, generator: torch.Generator) -> TokenBatch:
-        width = length + 1
-        shards, ends = self._shards, self._starts(width)
+        total = self._total_starts(length)
+        return self._windows(torch.randint(0, total, (batch_size,), generator=generator).numpy(), length)
+
+    def sample_seeded(self, seeds: list[int], length: int) -> TokenBatch:
+        """Row i starts at `seeds[i]` mod the number of window starts. The trainer's seeds are 63-bit hashes
+        (`loop.derive_seed`), so this is a uniform draw (the modulo's bias is below starts / 2^63: 1e-7 for a split of
+        a trillion tokens), made without a torch generator per row, which cost more than copying the row."""
+        self._check_request(len(seeds), length)
+        total = self._total_starts(length)
+        return self._windows(np.array([seed % total for seed in seeds], dtype=np.int64), length)
+
+    def _total_starts(self, length: int) -> int:
+        ends = self._starts(length + 1)
         total = int(ends[-1]) if len(ends) else 0
         if total == 0:
             raise ValueError(f"length {length} is too long for the {self.options.split} split of {self.options.data}: "
                              f"its longest shard holds {self.longest_shard} tokens, fewer than length + 1 (prepare "
                              "it with a larger --shard-mib, or use shorter lengths)")
-        # One draw per row from the torch generator (the trainer's per-row seeds), mapped to (shard, offset).
-        picks = torch.randint(0, total, (batch_size,), generator=generator).numpy()
+        return total
+
+    def _windows(self, picks: np.ndarray, length: int) -> TokenBatch:
+        """The windows of length + 1 tokens at the given indices into every window start of every shard."""
+        width, shards, ends = length + 1, self._shards, self._starts(length + 1)
         which = np.searchsorted(ends, picks, side="right")
         offsets = picks - np.concatenate([[0], ends[:-1]])[which]
         rows = np.stack([shards[s][o:o + width] for s, o in zip(which.tolist(), offsets.tolist())])

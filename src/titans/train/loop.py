@@ -64,9 +64,8 @@ def derive_seed(*parts: int) -> int:
 
 
 def sample_rows(task: Task, rows: range, length: int, *stream: int) -> Batch:
-    """Rows `rows` of a batch whose row i comes from a generator seeded by (*stream, i)."""
-    parts = [task.sample(1, length, torch.Generator().manual_seed(derive_seed(*stream, i))) for i in rows]
-    return type(parts[0])(*(torch.cat(tensors) for tensors in zip(*parts)))
+    """Rows `rows` of a batch whose row i is drawn from the seed (*stream, i) (`Task.sample_seeded`)."""
+    return task.sample_seeded([derive_seed(*stream, i) for i in rows], length)
 
 
 def resolve_device(name: str, index: int = 0) -> torch.device:
