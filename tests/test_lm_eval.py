@@ -18,7 +18,7 @@ from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.api.registry import get_model  # noqa: E402
 
 from titans.harness import TitansHarnessLM  # noqa: E402
-from titans.models.byte_eval import ByteLevelEvaluator  # noqa: E402
+from titans.models.text_eval import ByteLevelEvaluator  # noqa: E402
 
 DATA = Path(__file__).parent / "data" / "lm_eval"
 

@@ -208,8 +208,8 @@ def model_device(model: Any):
 @friendly
 def generate(
     ckpt: Path = typer.Argument(..., help="Checkpoint directory, or a run directory (its latest checkpoint)."),
-    prompt: str = typer.Option(..., help="Prompt: text for byte-level models (vocab 256), else space-separated "
-                                         "token ids."),
+    prompt: str = typer.Option(..., help="Prompt: text for language models (byte-level, or through the tokenizer of "
+                                         "their token shards), else space-separated token ids."),
     max_new_tokens: int = typer.Option(64, min=0),
     temperature: float = typer.Option(0.8, min=0.0, help="0 is greedy."),
     top_k: int | None = typer.Option(None, min=1),
@@ -227,9 +227,9 @@ def generate(
     _, cfg, task, model = load_for_inference(ckpt, device)
     if task.vocab_size is None:
         raise ValueError(f"checkpoint {ckpt} is a {cfg.task.name} forecaster, not a language model")
-    byte_level = task.byte_level  # the task says what its ids are, not the vocabulary size
-    if byte_level:
-        ids = list(prompt.encode("utf-8", errors="surrogateescape"))  # bytes of the argument that are not UTF-8
+    codec = task.text_codec()  # the task says what its ids are (bytes, a tokenizer's), not the vocabulary size
+    if codec is not None:
+        ids = codec.encode(prompt)
     else:
         try:
             ids = [int(token) for token in prompt.split()]
@@ -247,39 +247,47 @@ def generate(
     tokens = model.generate(torch.tensor([ids], device=model_device(model)), max_new_tokens, temperature, top_k,
                             top_p, generator=generator, compile=compile)
     new = tokens[0, len(ids):].tolist()
-    if byte_level:  # ids beyond a byte (a model given a larger vocabulary) print as U+FFFD
-        typer.echo(bytes(t if t < 256 else 0xFF for t in new).decode("utf-8", errors="replace"))
-    else:
-        typer.echo(" ".join(map(str, new)))
+    typer.echo(codec.decode(new) if codec is not None else " ".join(map(str, new)))
 
 
 @app.command()
 @friendly
 def export(
     ckpt: Path = typer.Argument(..., help="Checkpoint directory, or a run directory (its latest checkpoint)."),
-    out: Path = typer.Argument(..., help="Directory for config.json and model.safetensors (created if needed)."),
+    out: Path = typer.Argument(..., help="Directory for config.json, model.safetensors and the tokenizer, if any "
+                                         "(created if needed)."),
     force: bool = typer.Option(False, help="Replace a model already saved in OUT (other files there stay)."),
 ) -> None:
     """Turn a training checkpoint into a pretrained model directory: TitansLM.from_pretrained(OUT) loads it, and so
-    does transformers' AutoModelForCausalLM.from_pretrained(OUT) after `import titans.hf` (its path is the last
-    line)."""
-    from .models import TitansLM
-    from .train.checkpoint import RUN_MARKER, resolve_checkpoint
+    does transformers' AutoModelForCausalLM.from_pretrained(OUT) after `import titans.hf`; a model trained on token
+    shards gets its tokenizer beside it (AutoTokenizer.from_pretrained(OUT)). Its path is the last line."""
+    from .train.export import export_checkpoint
 
-    path = resolve_checkpoint(ckpt)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"{out} is a file, not a directory")
-    if out.resolve() == path.resolve() or (out / RUN_MARKER).is_file() or (out / "trainer.pt").is_file():
-        # A model.safetensors there would turn a run directory into a "checkpoint" for eval, generate and --resume.
-        raise ValueError(f"{out} is a run or checkpoint directory; export to a directory of its own")
-    if not force and any((out / name).exists() for name in ("config.json", "model.safetensors")):
-        raise ValueError(f"{out} already holds a saved model; pass --force to replace it")
-    _, cfg, _, model = load_for_inference(path, "cpu")
-    if not isinstance(model, TitansLM):
-        raise ValueError(f"checkpoint {path} is a {cfg.task.name} forecaster, not a language model; only language "
-                         "models export")
-    model.save_pretrained(out, overwrite=force)
-    typer.echo(str(out))
+    typer.echo(str(export_checkpoint(ckpt, out, force)))
+
+
+@app.command()
+@friendly
+def recipes(
+    root: Path | None = typer.Argument(None, help="A directory of recipes (default: configs/recipes)."),
+    out: Path | None = typer.Option(None, help="Also write the table as JSON here."),
+) -> None:
+    """The training recipes: the paper's model sizes (and tiny CPU versions) with their parameters, tokens per step,
+    steps and tokens in all, counted from the YAML files (nothing trained, no data needed)."""
+    from .train.recipes import recipe_files, summarise
+
+    rows = [summarise(path) for path in recipe_files(root)]
+    typer.echo(f"{'recipe':<34} {'parameters':>12} {'non-embedding':>14} {'tokens/step':>12} {'steps':>7} "
+               f"{'tokens':>9} {'lr':>8}")
+    for r in rows:
+        params = f"{r['parameters'] / 1e6:.1f}M" if r["parameters"] is not None else "(shards')"
+        typer.echo(f"{Path(r['recipe']).parent.name + '/' + Path(r['recipe']).name:<34} {params:>12} "
+                   f"{r['non_embedding_parameters'] / 1e6:>13.1f}M {r['tokens_per_step']:>12,} {r['steps']:>7} "
+                   f"{r['tokens'] / 1e9:>8.2f}B {r['lr']:>8g}")
+    if out is not None:
+        out.write_text(json.dumps({"command": "titans recipes" + (f" {root}" if root else ""), "recipes": rows},
+                                  indent=2))
+        typer.echo(str(out))
 
 
 @app.command()

@@ -1,9 +1,10 @@
 """EleutherAI lm-evaluation-harness model class: `import titans.harness` registers `--model titans`.
 
-A thin layer over `titans.models.byte_eval.ByteLevelEvaluator`, which holds the logic and documents it (byte-level
-scoring, the newline prefix before an empty context, piecewise reading that carries the state, greedy or sampled
-generation cut at the first `until` string): this class unpacks the harness's requests, calls the evaluator and
-feeds the harness's cache. `batch_size` is accepted (the harness passes it) but unused: requests run one at a time.
+A thin layer over `titans.models.text_eval.TextEvaluator`, which holds the logic and documents it (scoring through the
+model's tokenizer, or byte-level for a model saved without one; what stands before an empty context, piecewise reading
+that carries the state, greedy or sampled generation cut at the first `until` string): this class unpacks the harness's
+requests, calls the evaluator and feeds the harness's cache. `batch_size` is accepted (the harness passes it) but
+unused: requests run one at a time.
 
 The harness finds no model it has not imported, so run it through this module, which registers the class first:
 
@@ -24,32 +25,33 @@ except ImportError as err:
     raise ImportError('titans.harness needs EleutherAI lm-evaluation-harness (lm_eval >= 0.4.13): '
                       'pip install "titans[eval]"') from err
 
-from .models.byte_eval import ByteLevelEvaluator
+from .models.text_eval import TextEvaluator
 
 __all__ = ["TitansHarnessLM"]
 
 
 @register_model("titans")
 class TitansHarnessLM(LM):
-    """A saved byte-level `TitansLM` (`save_pretrained` or `titans export` output) as an lm-eval model.
+    """A saved `TitansLM` (`save_pretrained` or `titans export` output) as an lm-eval model: through the tokenizer
+    saved beside it, or byte-level where there is none.
 
     `pretrained`: the model directory. `device`: where it runs (default: cuda if available, else cpu). `dtype`:
-    cast the weights (e.g. "float32"; default: as saved). `max_length`: keep only the last `max_length` bytes of
-    each context (default: all of it; the state carries any length). `piece_len`: bytes read per forward call.
-    `prefix`: the text that stands before an empty context and before a rolling text (default a newline). `seed`:
-    the sampling generator's seed.
+    cast the weights (e.g. "float32"; default: as saved). `max_length`: keep only the last `max_length` tokens of
+    each context (default: all of it; the state carries any length). `piece_len`: tokens read per forward call.
+    `prefix` (byte-level models only): the text that stands before an empty context and before a rolling text
+    (default a newline; a tokenizer's model puts its end-of-text token there). `seed`: the sampling generator's seed.
     """
 
     def __init__(self, pretrained: str, device: Optional[str] = None, dtype: Optional[str] = None,
                  batch_size: Any = 1, max_batch_size: Any = None, max_length: Optional[int] = None,
-                 piece_len: int = 1024, prefix: str = "\n", seed: int = 0, **unused: Any):
+                 piece_len: int = 1024, prefix: Optional[str] = None, seed: int = 0, **unused: Any):
         super().__init__()
         if unused:
             raise ValueError(f"titans model: unknown model_args {sorted(unused)}")
         self.batch_size = batch_size
-        self.evaluator = ByteLevelEvaluator.from_pretrained(pretrained, device=device, dtype=dtype,
-                                                            max_length=max_length, piece_len=piece_len,
-                                                            prefix=prefix, seed=seed)
+        options = {} if prefix is None else {"prefix": prefix}
+        self.evaluator = TextEvaluator.from_pretrained(pretrained, device=device, dtype=dtype, max_length=max_length,
+                                                       piece_len=piece_len, seed=seed, **options)
 
     def _answer(self, request_type: str, requests: list, evaluate: Callable[[list], list]) -> list:
         """Each request's arguments through `evaluate`, every result added to the harness's cache under them."""

@@ -1,4 +1,4 @@
-"""Byte-level scoring and generation (`titans.models.byte_eval`, the logic behind `titans.harness`) against direct
+"""Byte-level scoring and generation (`titans.models.text_eval`, the logic behind `titans.harness`) against direct
 computations from the model's own logits and `TitansLM.generate`. Needs no lm_eval: this runs where the `eval` extra
 is not installed (CI)."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from titans import TitansConfig, TitansLM
-from titans.models.byte_eval import ByteLevelEvaluator, cut_at_first_stop
+from titans.models.text_eval import ByteLevelEvaluator, cut_at_first_stop
 
 
 @pytest.fixture(scope="module")
@@ -183,5 +183,5 @@ def test_bad_generation_arguments(evaluator, gen_kwargs, message):
 
 def test_imports_no_lm_eval():
     code = ("import sys; sys.modules['lm_eval'] = None\n"  # an import of lm_eval would now fail
-            "import titans.models.byte_eval; assert 'titans.harness' not in sys.modules")
+            "import titans.models.text_eval; assert 'titans.harness' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -67,6 +67,11 @@ def test_weight_decay_only_on_linear_matrices(tiny_config):
     assert {"embed.weight", "backbone.blocks.0.mixer.persistent.tokens",
             "backbone.blocks.0.mixer.memory.initial_weights.0"} <= plain_names
     assert "backbone.blocks.0.mixer.attention.qkv.weight" in decayed_names
+    gates = "backbone.blocks.0.mixer.memory.to_gates.weight"
+    assert gates in decayed_names  # decay_gates: true, what runs before the option did
+    decayed, plain = make_optimizer(model, cfg.optim.replace(decay_gates=False)).param_groups
+    assert {names[id(p)] for p in decayed["params"]} == decayed_names - {gates}
+    assert gates in {names[id(p)] for p in plain["params"]}
 
 
 def final_weights(run_dir):

@@ -24,6 +24,11 @@ class TextCodec(Protocol):
 
     def decode(self, ids: Sequence[int]) -> str: ...
 
+    def to_bytes(self, ids: Sequence[int]) -> bytes:
+        """The UTF-8 text of `ids` (a byte-level model's bytes as they are, so that a stop string is matched in the
+        bytes even where they are not whole characters yet)."""
+        ...
+
 
 class ByteCodec:
     """One token per UTF-8 byte. Text that is not valid UTF-8 (a command-line argument's undecodable bytes, carried as
@@ -38,7 +43,10 @@ class ByteCodec:
         return list(text.encode("utf-8", errors="surrogateescape"))
 
     def decode(self, ids: Sequence[int]) -> str:
-        return bytes(i if 0 <= i < BYTE_VOCAB else 0xFF for i in ids).decode("utf-8", errors="replace")
+        return self.to_bytes(ids).decode("utf-8", errors="replace")
+
+    def to_bytes(self, ids: Sequence[int]) -> bytes:
+        return bytes(i if 0 <= i < BYTE_VOCAB else 0xFF for i in ids)
 
 
 class TokenizerCodec:
@@ -55,3 +63,6 @@ class TokenizerCodec:
     def decode(self, ids: Sequence[int]) -> str:
         # special tokens kept: an end-of-text the model wrote is part of what it wrote
         return self.tokenizer.decode(list(ids), skip_special_tokens=False)
+
+    def to_bytes(self, ids: Sequence[int]) -> bytes:
+        return self.decode(ids).encode("utf-8")

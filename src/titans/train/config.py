@@ -57,6 +57,10 @@ class OptimConfig(Config):
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
     grad_clip: float = Field(1.0, ge=0)  # max global gradient norm; 0 disables clipping
     grad_accum: int = Field(1, ge=1)  # micro-batches per step (the global batch is split into this many)
+    # weight decay also on the matrix of the memory's data-dependent gates (θ_t, η_t, α_t from x_t). True: every run
+    # trained before this field (they decayed it); the recipes (configs/recipes) set false: decay pulls the gates'
+    # weights to zero, to gates that no longer depend on the token, which the paper's gates are meant to.
+    decay_gates: bool = True
 
 
 class TrainConfig(Config):

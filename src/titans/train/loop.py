@@ -138,11 +138,17 @@ def make_optimizer(model: nn.Module, optim: OptimConfig, fused: bool = False) ->
 
     No decay on norms, biases, embeddings (also when tied to the output layer), persistent tokens,
     conv kernels or the memory's initial weights W_0: the last is a learned starting state that the
-    inner loop already decays through its forgetting gate α.
+    inner loop already decays through its forgetting gate α. With `optim.decay_gates` false, none on the projection
+    of the memory's gates either (`NeuralMemory.to_gates`).
     """
+    from ..memory import NeuralMemory
+
     embedding_ids = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
+    gate_ids = set() if optim.decay_gates else {
+        id(p) for m in model.modules() if isinstance(m, NeuralMemory) and m.to_gates is not None
+        for p in m.to_gates.parameters()}
     decay_ids = {id(p) for m in model.modules() if isinstance(m, (nn.Linear, nn.LSTM))
-                 for p in m.parameters(recurse=False) if p.dim() >= 2 and id(p) not in embedding_ids}
+                 for p in m.parameters(recurse=False) if p.dim() >= 2 and id(p) not in embedding_ids | gate_ids}
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if id(p) in decay_ids], "weight_decay": optim.weight_decay},
               {"params": [p for p in params if id(p) not in decay_ids], "weight_decay": 0.0}]

@@ -1,45 +1,48 @@
-"""Byte-level scoring and generation over a `TitansLM`: the logic behind lm-evaluation-harness's three request types.
+"""Scoring and generation of text over a `TitansLM`: the logic behind lm-evaluation-harness's three request types.
 
-`titans.harness` is the thin lm-eval layer over `ByteLevelEvaluator` (it unpacks requests and feeds the harness's
-cache); this module does not import lm_eval, so it is tested without the `eval` extra.
+`titans.harness` is the thin lm-eval layer over `TextEvaluator`, which holds the logic and documents it (token-level
+scoring, what stands before an empty context, piecewise reading that carries the state, greedy or sampled generation
+cut at the first `until` string): this module does not import lm_eval, so it is tested without the `eval` extra.
 
-Byte-level, as `TitansLM` is: a string is its UTF-8 bytes, one token each (vocab 256). The model is recurrent with a
-state of bounded size, so nothing is windowed: every text is read whole, in pieces of `piece_len` bytes that carry
-the state (the pieces bound the activations' memory; the scores equal one call over the whole text).
+Text becomes token ids through the model's codec (`titans.data.codec`): UTF-8 bytes for a byte-level model (vocab 256,
+`ByteLevelEvaluator`), its subword tokenizer for a model exported with one (`titans export` of an `lm_tokens` run writes
+tokenizer.json beside the weights; `TextEvaluator.from_pretrained` picks the codec by that file). The model is recurrent
+with a state of bounded size, so nothing is windowed: every text is read whole, in pieces of `piece_len` tokens that
+carry the state (the pieces bound the activations' memory; the scores equal one call over the whole text).
 
-- `loglikelihood`: the continuation's bytes scored after the context's bytes; `is_greedy` when each continuation
-  byte is the argmax at its position. An empty context conditions on `prefix` (one newline byte by default), as the
-  harness's BOS would: a first byte needs a position before it. A non-empty context gets no prefix.
-- `loglikelihood_rolling`: the whole text after the `prefix` bytes (every byte of the text is scored, once).
-- `generate_until`: one byte at a time through the state, greedy by default (`temperature`, `top_k`, `top_p`
-  sample when `do_sample` is true), stopping at the first `until` string (cut off) or after `max_gen_toks` bytes;
-  the bytes are decoded with errors="replace".
+- `loglikelihood`: the continuation's tokens scored after the context's tokens; `is_greedy` when each continuation
+  token is the argmax at its position. Byte-level, the two strings' bytes are simply joined. With a subword tokenizer
+  the pair is encoded as lm-eval's Hugging Face models do: whitespace that ends the context moves to the continuation,
+  the joined text is encoded whole, and the continuation is the tokens after the context's own encoding (a tokenizer
+  merges across the seam). An empty context conditions on the codec's `start`: a newline byte (`prefix`, byte-level)
+  or the end-of-text token (subword, what ends the document before every document in training).
+- `loglikelihood_rolling`: the whole text after `start` (every token of the text is scored, once).
+- `generate_until`: one token at a time through the state, greedy by default (`temperature`, `top_k`, `top_p`
+  sample when `do_sample` is true), stopping at the first `until` string (cut off) or after `max_gen_toks` tokens;
+  the output is decoded with errors="replace".
 
-`max_length` keeps only the last `max_length` bytes of each context (default: all of it; the state carries any
+`max_length` keeps only the last `max_length` tokens of each context (default: all of it; the state carries any
 length). Requests run one at a time: batching texts of different lengths would need padding, and the memory would
 read the pads.
 """
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any, Iterable, Iterator, Optional, Union
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..data.codec import BYTE_VOCAB, ByteCodec, TextCodec, TokenizerCodec
 from .lm import State, TitansLM, sample_next
 
-__all__ = ["BYTE_VOCAB", "GEN_KWARGS", "ByteLevelEvaluator", "cut_at_first_stop", "encode_bytes"]
+__all__ = ["BYTE_VOCAB", "GEN_KWARGS", "ByteLevelEvaluator", "TextEvaluator", "cut_at_first_stop"]
 
-BYTE_VOCAB = 256
 GEN_KWARGS = ("until", "max_gen_toks", "do_sample", "temperature", "top_k", "top_p")
 DEFAULT_MAX_GEN_TOKS = 256
-
-
-def encode_bytes(text: str) -> list[int]:
-    """The UTF-8 bytes of `text`, one token each."""
-    return list(text.encode("utf-8"))
 
 
 def cut_at_first_stop(out: bytes, until: list[bytes]) -> bytes:
@@ -57,37 +60,49 @@ def _integer(name: str, value: Any, minimum: int) -> int:
     return value
 
 
-class ByteLevelEvaluator:
-    """A byte-level `TitansLM` (vocab 256) answering loglikelihood, rolling loglikelihood and generate_until.
+def saved_codec(directory: Union[str, Path]) -> Optional[TokenizerCodec]:
+    """The subword codec saved beside a model (`titans export` of an `lm_tokens` run: tokenizer.json, and the end of
+    text as tokenizer_config.json's eos_token); None for a model saved without one (byte-level)."""
+    from ..data.tokenizer import TOKENIZER_FILE, load_tokenizer
 
-    `max_length`: keep only the last `max_length` bytes of each context (None: all). `piece_len`: bytes read per
-    forward call. `prefix`: the text that stands before an empty context and before a rolling text. `seed`: the
-    sampling generator's seed (used only when a request samples).
+    directory = Path(directory)
+    if not (directory / TOKENIZER_FILE).is_file():
+        return None
+    tokenizer = load_tokenizer(directory)
+    eos = json.loads((directory / "tokenizer_config.json").read_text()).get("eos_token") \
+        if (directory / "tokenizer_config.json").is_file() else None
+    eot_id = tokenizer.token_to_id(eos) if isinstance(eos, str) else None
+    if eot_id is None:
+        raise ValueError(f"{directory}: tokenizer_config.json names no eos_token in the tokenizer's vocabulary (the "
+                         "token that separates documents); export the model again with `titans export`")
+    return TokenizerCodec(tokenizer, eot_id)
+
+
+class TextEvaluator:
+    """A `TitansLM` answering loglikelihood, rolling loglikelihood and generate_until on text through `codec`.
+
+    `max_length`: keep only the last `max_length` tokens of each context (None: all). `piece_len`: tokens read per
+    forward call. `seed`: the sampling generator's seed (used only when a request samples).
     """
 
-    def __init__(self, model: TitansLM, max_length: Optional[int] = None, piece_len: int = 1024, prefix: str = "\n",
+    def __init__(self, model: TitansLM, codec: TextCodec, max_length: Optional[int] = None, piece_len: int = 1024,
                  seed: int = 0):
         if not isinstance(model, TitansLM):
             raise ValueError(f"model must be a TitansLM, got {type(model).__name__}")
-        if model.config.vocab_size != BYTE_VOCAB:
-            raise ValueError(f"byte-level evaluation reads bytes (vocab {BYTE_VOCAB}); this model has vocab "
-                             f"{model.config.vocab_size}")
-        if not isinstance(prefix, str) or not prefix:
-            raise ValueError(f"prefix must be a non-empty string (an empty context needs a byte to condition on), "
-                             f"got {prefix!r}")
-        self.model = model.eval()
+        self.model, self.codec = model.eval(), codec
         self.device = model.embed.weight.device
         self.max_length = None if max_length is None else _integer("max_length", max_length, 1)
         self.piece_len = _integer("piece_len", piece_len, 1)
-        self.prefix = encode_bytes(prefix)
+        self.prefix = list(codec.start)
         self.generator = torch.Generator(device=self.device).manual_seed(_integer("seed", seed, 0))
 
     @classmethod
     def from_pretrained(cls, pretrained: str, device: Optional[str] = None, dtype: Optional[str] = None,
-                        **options: Any) -> "ByteLevelEvaluator":
+                        **options: Any) -> "TextEvaluator":
         """Load a saved model (`save_pretrained` or `titans export` output) onto `device` (default: cuda if
-        available, else cpu), cast to the floating dtype named by `dtype` (e.g. "float32"; default: as saved).
-        `options` are the constructor's (`max_length`, `piece_len`, `prefix`, `seed`)."""
+        available, else cpu), cast to the floating dtype named by `dtype` (e.g. "float32"; default: as saved), with
+        the tokenizer saved beside it, or byte-level (a `ByteLevelEvaluator`) where there is none. `options` are the
+        constructor's (`max_length`, `piece_len`, `seed`; `prefix` for a byte-level model)."""
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         try:
             device = torch.device(device)
@@ -99,13 +114,19 @@ class ByteLevelEvaluator:
             if not isinstance(cast, torch.dtype) or not cast.is_floating_point:
                 raise ValueError(f"dtype must name a floating torch dtype (e.g. float32), got {dtype!r}")
         model = TitansLM.from_pretrained(str(pretrained), device=str(device))
-        return cls(model if cast is None else model.to(cast), **options)
+        model = model if cast is None else model.to(cast)
+        codec = saved_codec(pretrained) if cls is TextEvaluator else None
+        if codec is None:
+            return ByteLevelEvaluator(model, **options)
+        if "prefix" in options:
+            raise ValueError("prefix is for byte-level models; this one has a tokenizer, whose end-of-text token "
+                             "stands before an empty context")
+        return cls(model, codec, **options)
 
     # -- reading ------------------------------------------------------------------------------------------------
 
-    def _context(self, context: str) -> list[int]:
-        """The context's bytes, the last `max_length` of them; the prefix when there are none."""
-        tokens = encode_bytes(context)
+    def _context(self, tokens: list[int]) -> list[int]:
+        """The context's tokens, the last `max_length` of them; the codec's start when there are none."""
         if self.max_length is not None:
             tokens = tokens[-self.max_length:]
         return tokens or list(self.prefix)
@@ -148,15 +169,26 @@ class ByteLevelEvaluator:
         greedy continuation."""
         out = []
         for context, continuation in pairs:
-            continuation_bytes = encode_bytes(continuation)
-            out.append(self._score(self._context(context) + continuation_bytes, len(continuation_bytes)))
+            context_ids, continuation_ids = self._pair(context, continuation)
+            out.append(self._score(self._context(context_ids) + continuation_ids, len(continuation_ids)))
         return out
+
+    def _pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
+        """(context tokens, continuation tokens), byte-level joined as they are; subword as lm-eval's Hugging Face
+        models encode a pair (the module docstring)."""
+        if isinstance(self.codec, ByteCodec):
+            return self.codec.encode(context), self.codec.encode(continuation)
+        spaces = len(context) - len(context.rstrip())
+        if spaces:
+            context, continuation = context[:-spaces], context[-spaces:] + continuation
+        whole, context_ids = self.codec.encode(context + continuation), self.codec.encode(context)
+        return context_ids, whole[len(context_ids):]
 
     def loglikelihood_rolling(self, texts: Iterable[str]) -> list[float]:
         """For each text: the log-prob of all its bytes after the prefix."""
         out = []
         for text in texts:
-            body = encode_bytes(text)
+            body = self.codec.encode(text)
             out.append(self._score(self.prefix + body, len(body))[0])
         return out
 
@@ -164,7 +196,7 @@ class ByteLevelEvaluator:
 
     @staticmethod
     def generation_options(gen_kwargs: Optional[dict]) -> dict[str, Any]:
-        """lm-eval's generation arguments, checked: the stop strings as bytes, the byte budget and the sampler's
+        """lm-eval's generation arguments, checked: the stop strings as UTF-8, the token budget and the sampler's
         arguments (temperature 0, greedy, unless `do_sample`)."""
         gen_kwargs = dict(gen_kwargs or {})
         unknown = sorted(set(gen_kwargs) - set(GEN_KWARGS))
@@ -188,17 +220,35 @@ class ByteLevelEvaluator:
         for _, logits, state in self._read(context):  # read the whole context; keep the last piece's logits, state
             pass
         next_logits = logits[-1:]
-        out = bytearray()
+        out: list[int] = []
         for _ in range(max_new):
             token = sample_next(next_logits, temperature, top_k, top_p, self.generator)
             out.append(int(token))
-            if any(out.endswith(stop) for stop in until):  # only a match that ends at the new byte is new
+            text = self.codec.to_bytes(out)
+            if any(stop in text for stop in until):  # a stop string is complete: nothing after it is kept
                 break
             logits, state = self.model(token[:, None], state)
             next_logits = logits[:, -1]
-        return cut_at_first_stop(bytes(out), until)
+        return cut_at_first_stop(self.codec.to_bytes(out), until)
 
     def generate_until(self, requests: Iterable[tuple[str, Optional[dict]]]) -> list[str]:
         """For each (context, gen_kwargs): the text generated after the context, cut at the first stop string."""
-        return [self._generate(self._context(context), **self.generation_options(gen_kwargs))
+        return [self._generate(self._context(self.codec.encode(context)), **self.generation_options(gen_kwargs))
                 .decode("utf-8", errors="replace") for context, gen_kwargs in requests]
+
+
+class ByteLevelEvaluator(TextEvaluator):
+    """A byte-level `TitansLM` (vocab 256): one token per UTF-8 byte. `prefix`: the text that stands before an empty
+    context and before a rolling text (default a newline)."""
+
+    def __init__(self, model: TitansLM, max_length: Optional[int] = None, piece_len: int = 1024, prefix: str = "\n",
+                 seed: int = 0):
+        if not isinstance(model, TitansLM):
+            raise ValueError(f"model must be a TitansLM, got {type(model).__name__}")
+        if model.config.vocab_size != BYTE_VOCAB:
+            raise ValueError(f"byte-level evaluation reads bytes (vocab {BYTE_VOCAB}); this model has vocab "
+                             f"{model.config.vocab_size}")
+        if not isinstance(prefix, str) or not prefix:
+            raise ValueError(f"prefix must be a non-empty string (an empty context needs a byte to condition on), "
+                             f"got {prefix!r}")
+        super().__init__(model, ByteCodec(prefix), max_length, piece_len, seed)
