@@ -70,7 +70,8 @@ def train(
     """Train a model: checkpoints, metrics.jsonl and eval.json go to the run directory (eval.json's path is the
     last line).
 
-    Under torchrun (`torchrun --nproc_per_node 2 -m titans.cli train ...`) it trains data-parallel.
+    Under torchrun (`torchrun --nproc_per_node 2 -m titans.cli train ...`) it trains data-parallel, replicated (DDP)
+    or, with parallel=fsdp, sharded (FSDP2).
     """
     import torch.distributed as dist
 
@@ -79,7 +80,7 @@ def train(
 
     cfg = load_train_config(config, overrides or [])
     run_dir = out or cfg.run_dir_in(Path("runs"))
-    distributed = setup_distributed(cfg.device)
+    distributed = setup_distributed(cfg.device, sharded=cfg.parallel == "fsdp")
     lead = not distributed or dist.get_rank() == 0
     try:
         result = run_training(cfg, run_dir, resume=resume, quiet=quiet, force=force)

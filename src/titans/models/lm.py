@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_model, save_model
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from ..layers import RMSNorm, trusted_states
 from ..memory.checks import checks_values
@@ -49,7 +50,12 @@ State = list  # one entry per block: that block's mixer state (see each variant'
 
 
 class Backbone(nn.Module):
-    """The stack of blocks plus the final norm, on embeddings `[batch, seq, dim]`."""
+    """The stack of blocks plus the final norm, on embeddings `[batch, seq, dim]`.
+
+    `checkpoint_blocks` (set by the trainer's `activation_checkpointing`): in training, each block's activations are
+    recomputed in the backward pass instead of kept (`torch.utils.checkpoint`, non-reentrant); the same outputs and
+    gradients. The recomputation would count the memories' momentum-gain bound a second time, so it runs with their
+    counters put back afterwards (`_counters_kept`)."""
 
     def __init__(self, cfg: TitansConfig):
         super().__init__()
@@ -57,15 +63,42 @@ class Backbone(nn.Module):
         hidden = mlp_hidden_size(cfg, build, MIXERS["mag"])
         self.blocks = nn.ModuleList(Block(build(cfg), cfg.dim, hidden, cfg.dropout) for _ in range(cfg.depth))
         self.norm = RMSNorm(cfg.dim)
+        self.checkpoint_blocks = False
 
     def forward(self, x: Tensor, state: Optional[State] = None) -> tuple[Tensor, State]:
         if state is not None and len(state) != len(self.blocks):
             raise ValueError(f"state has {len(state)} entries but the model has {len(self.blocks)} blocks")
+        recompute = self.checkpoint_blocks and self.training and torch.is_grad_enabled()
         new_state = []
         for i, block in enumerate(self.blocks):
-            x, block_state = block(x, state[i] if state is not None else None)
+            block_state = state[i] if state is not None else None
+            if recompute:
+                x, block_state = checkpoint(block, x, block_state, use_reentrant=False,
+                                            context_fn=functools.partial(_recompute_contexts, block))
+            else:
+                x, block_state = block(x, block_state)
             new_state.append(block_state)
         return self.norm(x), new_state
+
+
+@contextlib.contextmanager
+def _counters_kept(module: nn.Module):
+    """Put the momentum-gain counters of `module`'s memories back as they were (`NeuralMemory.bound_lowered`,
+    `bound_gates`): what a recomputed forward counted was counted by the forward it repeats."""
+    from ..memory import NeuralMemory
+
+    memories = [m for m in module.modules() if isinstance(m, NeuralMemory)]
+    saved = [(m.bound_lowered, m.bound_gates) for m in memories]
+    try:
+        yield
+    finally:
+        for m, (lowered, gates) in zip(memories, saved):
+            m.bound_lowered, m.bound_gates = lowered, gates
+
+
+def _recompute_contexts(block: nn.Module):
+    """`checkpoint`'s context_fn: nothing around the forward, the counters kept around the recomputation."""
+    return contextlib.nullcontext(), _counters_kept(block)
 
 
 def check_tokens(tokens: Tensor, vocab_size: int) -> None:

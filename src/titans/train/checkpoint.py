@@ -7,11 +7,14 @@ Layout of a run directory:
     run_dir/metrics.jsonl                   one JSON record per log / eval line
     run_dir/eval.json                       the final evaluation
     run_dir/checkpoints/step_0000120/       model.safetensors, trainer.pt, config.yaml
+                                            (a sharded run, `parallel: fsdp`: sharded/ instead of model.safetensors,
+                                            each rank's shards of the model and optimiser in DCP's format, fsdp.py)
 
 A checkpoint is written into a hidden temporary folder and renamed into place (rename is atomic),
 so a `step_*` folder is always complete and a process killed at any moment leaves the newest
 complete one as the latest. Each step is written once: the state at a step is a deterministic
-function of the config, so a second write would only add a window in which it is missing.
+function of the config, so a second write would only add a window in which it is missing. Under torchrun every rank
+writes its part into the one temporary folder (its shards, its carried states) before rank 0 completes and renames it.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import os
 import pickle
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from safetensors import SafetensorError
@@ -34,8 +37,19 @@ from .config import TrainConfig, load_train_config, saved_train_dict
 
 RUN_MARKER = ".titans-run"
 CHECKPOINT_FILES = ("model.safetensors", "trainer.pt", "config.yaml")  # what a checkpoint folder holds
-# ... and, in a run that carries its state across windows (`carry_windows`), the states its next step starts from
+# ... and, in a run that carries its state across windows (`carry_windows`), the states its next step starts from (one
+# file per rank under torchrun: each rank carries the states of its own rows)
 CARRIED_FILE = "carried.safetensors"
+SHARDED_DIR = "sharded"  # a sharded run's model and optimiser shards (fsdp.py)
+
+
+def carried_file(rank: int, world: int) -> str:
+    return CARRIED_FILE if world == 1 else f"carried.rank{rank}.safetensors"
+
+
+def is_checkpoint(path: Path) -> bool:
+    """A complete checkpoint folder: its weights, whole or sharded, are there."""
+    return (Path(path) / CHECKPOINT_FILES[0]).is_file() or (Path(path) / SHARDED_DIR / ".metadata").is_file()
 TRAINER_STATE_KEYS = ("step", "optimizer", "rng", "train_seconds", "skipped_steps")
 
 
@@ -80,7 +94,7 @@ def checkpoint_dir(run_dir: Path) -> Path:
 def list_checkpoints(run_dir: Path) -> list[Path]:
     """Complete checkpoints of a run, oldest first."""
     root = checkpoint_dir(run_dir)
-    found = [p for p in root.glob("step_*") if p.name[5:].isdigit() and (p / CHECKPOINT_FILES[0]).is_file()]
+    found = [p for p in root.glob("step_*") if p.name[5:].isdigit() and is_checkpoint(p)]
     return sorted(found, key=lambda p: int(p.name[5:]))
 
 
@@ -99,32 +113,56 @@ def _write_synced(path: Path, write) -> None:
         os.fsync(f.fileno())
 
 
+def _barrier(world: int) -> None:
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
 def save_checkpoint(run_dir: Path, step: int, model: nn.Module, trainer_state: dict[str, Any],
-                    config: TrainConfig, keep: int = 2, carried: Any = None) -> Path:
+                    config: TrainConfig, keep: int = 2, carried: Any = None, rank: int = 0, world: int = 1,
+                    write_shards: Callable[[Path], None] | None = None) -> Path:
     """Write checkpoint `step` (unless it exists) and keep only the newest `keep` checkpoints. `carried`: the
-    recurrent states the next step starts from (one per micro-batch), where the run carries them across windows."""
+    recurrent states the next step starts from (one per micro-batch), where the run carries them across windows.
+
+    Under torchrun every rank calls this: each writes its carried states and, with `write_shards` (a collective that
+    writes the model's and optimiser's shards into the folder it is given), its shards; rank 0 then writes the rest
+    (`model` whole, unless sharded) and renames the folder into place."""
     root = checkpoint_dir(run_dir)
-    root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:07d}"
     if not final.is_dir():
-        for stale in root.glob(".tmp_*"):  # left behind by a writer that was killed
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp = root / f".tmp_{final.name}_{os.getpid()}"
-        tmp.mkdir()
-        weights, trainer, config_file = (tmp / name for name in CHECKPOINT_FILES)
-        _write_synced(weights, lambda p: save_model(model, str(p)))
-        _write_synced(trainer, lambda p: torch.save(trainer_state, p))
-        _write_synced(config_file, config.to_yaml)
+        tmp = root / f".tmp_{final.name}" if world > 1 else root / f".tmp_{final.name}_{os.getpid()}"
+        if rank == 0:
+            root.mkdir(parents=True, exist_ok=True)
+            for stale in root.glob(".tmp_*"):  # left behind by a writer that was killed
+                shutil.rmtree(stale, ignore_errors=True)
+            tmp.mkdir()
+        _barrier(world)
+        if write_shards is not None:
+            write_shards(tmp / SHARDED_DIR)
         if carried is not None:
-            _write_synced(tmp / CARRIED_FILE, lambda p: save_state(carried, p))
-        os.rename(tmp, final)
-    for old in list_checkpoints(run_dir)[:-keep]:
-        # Only what the checkpoint wrote: a file a user put there (an evaluation) stays, in a folder that is
-        # no longer a checkpoint (it lacks the weights).
-        for name in (*CHECKPOINT_FILES, CARRIED_FILE):
-            (old / name).unlink(missing_ok=True)
-        with contextlib.suppress(OSError):
-            old.rmdir()
+            _write_synced(tmp / carried_file(rank, world), lambda p: save_state(carried, p))
+        _barrier(world)
+        if rank == 0:
+            weights, trainer, config_file = (tmp / name for name in CHECKPOINT_FILES)
+            if write_shards is None:
+                _write_synced(weights, lambda p: save_model(model, str(p)))
+            _write_synced(trainer, lambda p: torch.save(trainer_state, p))
+            _write_synced(config_file, config.to_yaml)
+            os.rename(tmp, final)
+    if rank == 0:
+        for old in list_checkpoints(run_dir)[:-keep]:
+            # Only what the checkpoint wrote: a file a user put there (an evaluation) stays, in a folder that is
+            # no longer a checkpoint (it lacks the weights).
+            for name in CHECKPOINT_FILES:
+                (old / name).unlink(missing_ok=True)
+            for carried_states in old.glob("carried*.safetensors"):
+                carried_states.unlink()
+            shutil.rmtree(old / SHARDED_DIR, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                old.rmdir()
+    _barrier(world)
     return final
 
 
@@ -133,7 +171,7 @@ def resolve_checkpoint(path: Path) -> Path:
     path = Path(path)
     if not path.exists():
         raise ValueError(f"checkpoint {path} does not exist")
-    if (path / "model.safetensors").is_file():
+    if is_checkpoint(path):
         return path
     latest = latest_checkpoint(path)
     if latest is None:
@@ -152,8 +190,18 @@ def load_checkpoint_config(path: Path) -> TrainConfig:
 
 
 def load_weights(path: Path, model: nn.Module) -> None:
-    """Load model.safetensors into `model`; ValueError when it is unreadable or does not fit the model."""
+    """Load the checkpoint's weights into a whole `model` (one process): model.safetensors, or the shards of a sharded
+    run gathered; ValueError when they are unreadable or do not fit the model."""
     weights = Path(path) / "model.safetensors"
+    if not weights.is_file() and (Path(path) / SHARDED_DIR / ".metadata").is_file():
+        from .fsdp import load_sharded_weights
+
+        try:
+            load_sharded_weights(Path(path) / SHARDED_DIR, model)
+        except (RuntimeError, OSError, ValueError, KeyError) as err:
+            raise ValueError(f"checkpoint {path}: its shards are corrupt or do not match the model: "
+                             f"{str(err).strip().splitlines()[0][:300]}") from None
+        return
     if not weights.is_file():
         raise ValueError(f"checkpoint {path} has no model.safetensors")
     try:
@@ -166,11 +214,18 @@ def load_weights(path: Path, model: nn.Module) -> None:
                          f"unexpected {sorted(unexpected)[:3]}")
 
 
-def load_carried(path: Path, device: torch.device) -> Any:
-    """The carried states a checkpoint holds (`save_checkpoint`'s `carried`), on `device`; None where it holds
-    none (a step that starts fresh windows)."""
-    file = Path(path) / CARRIED_FILE
-    return load_state(file, str(device)) if file.is_file() else None
+def load_carried(path: Path, device: torch.device, rank: int = 0, world: int = 1) -> Any:
+    """The carried states of this rank a checkpoint holds (`save_checkpoint`'s `carried`), on `device`; None where it
+    holds none (a step that starts fresh windows)."""
+    saved = sorted(p.name for p in Path(path).glob("carried*.safetensors"))
+    if not saved:
+        return None
+    file = Path(path) / carried_file(rank, world)
+    if not file.is_file():
+        raise ValueError(f"checkpoint {path} holds carried states for {len(saved)} process(es) ({', '.join(saved)}), "
+                         f"none for rank {rank} of {world}: a run that carries its state across windows resumes on "
+                         "as many ranks as it was saved on")
+    return load_state(file, str(device))
 
 
 def load_trainer_state(path: Path) -> dict[str, Any]:

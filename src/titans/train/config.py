@@ -26,7 +26,7 @@ from .precision import Precision
 RESUMABLE_CHANGES = frozenset({"name", "steps", "time_budget_s", "eval_every", "eval_batches", "eval_batch_size",
                                "eval_piece", "eval_position_buckets",
                                "checkpoint_every", "keep_checkpoints", "log_every", "max_skips_in_row", "device",
-                               "threads", "tensorboard", "compile", "task.eval_lengths"})
+                               "threads", "tensorboard", "compile", "task.eval_lengths", "activation_checkpointing"})
 
 # A run's name is the name of its directory (runs/<name>, demo/<name>): one path component that cannot climb out
 # of its parent (no separator, no leading dot so neither `.` nor `..`), in characters every filesystem takes.
@@ -100,6 +100,13 @@ class TrainConfig(Config):
     # torch.compile the model's training forward (evaluation runs uncompiled); the memory's chunk loop stays eager
     # (NeuralMemory._memory is torch.compiler.disable'd: its C++ kernels and custom autograd Function do not trace)
     compile: bool = False
+    # under torchrun: "ddp" replicates the model on every rank (DistributedDataParallel); "fsdp" shards its parameters,
+    # gradients and optimiser state over the ranks (FSDP2, train/fsdp.py; language models; needs torchrun even for one
+    # rank) and writes sharded checkpoints
+    parallel: Literal["ddp", "fsdp"] = "ddp"
+    # recompute each block's activations in the backward pass instead of keeping them (torch.utils.checkpoint): memory
+    # for a block's worth of compute; the same gradients
+    activation_checkpointing: bool = False
     threads: Optional[int] = Field(None, ge=1, le=MAX_THREADS)  # torch intra-op threads; None: torch's default
     tensorboard: bool = True  # also write run_dir/tensorboard when the tensorboard package is installed
 

@@ -26,13 +26,16 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 from tqdm.auto import tqdm
 
 from ..models import ClassificationHead, ForecastHead, TitansEncoder, TitansLM
+from ..models.lm import Backbone
 from ..models.state_io import detached
 from ..tasks import IGNORE_INDEX, LabelBatch, Task, TokenBatch, bits_per_byte, exact_match, get_task, tokens_right
 from ..tasks.base import Batch
 from .checkpoint import (
+    SHARDED_DIR,
     check_run_dir,
     latest_checkpoint,
     load_carried,
@@ -44,6 +47,7 @@ from .checkpoint import (
     save_checkpoint,
 )
 from .config import OptimConfig, TrainConfig, check_model_fits_task, resume_mismatches
+from .fsdp import load_sharded, save_sharded, set_gradient_sync, shard_model
 from .precision import autocast, parameter_dtype
 
 TRAIN_STREAM, EVAL_STREAM = 1, 2  # keep the training and evaluation data streams disjoint
@@ -109,6 +113,18 @@ def build_model(cfg: TrainConfig, task: Task) -> nn.Module:
     if task.num_classes is not None:
         return ClassificationHead(encoder, task.num_classes)
     return ForecastHead(encoder)
+
+
+def check_shardable(cfg: TrainConfig, model: nn.Module, distributed: bool) -> None:
+    """What `parallel: fsdp` needs: a process group (torchrun), a language model, no torch.compile (not tried)."""
+    if not distributed:
+        raise ValueError("parallel=fsdp shards the model over the ranks of a process group: run under torchrun "
+                         "(torchrun --nproc_per_node N -m titans.cli train ...; N may be 1)")
+    if not isinstance(model, TitansLM):
+        raise ValueError(f"parallel=fsdp shards language models (TitansLM); task {cfg.task.name} trains a "
+                         f"{type(model).__name__}")
+    if cfg.compile:
+        raise ValueError("parallel=fsdp does not combine with compile=true yet (untested); drop one of them")
 
 
 def load_trained(ckpt: Path, device: str = "cpu") -> tuple[Path, TrainConfig, Task, nn.Module]:
@@ -497,8 +513,18 @@ class Trainer:
         if cfg.carry_windows > 1 and isinstance(self.model, ClassificationHead):
             raise ValueError(f"carry_windows ({cfg.carry_windows}) needs a task with a target per position; "
                              f"{cfg.task.name} classifies whole series")
+        self.sharded = cfg.parallel == "fsdp"
+        if self.sharded:
+            check_shardable(cfg, self.model, self.distributed)
+        if cfg.activation_checkpointing:
+            if not isinstance(getattr(self.model, "backbone", None), Backbone):
+                raise ValueError("activation_checkpointing recomputes the blocks of a model's backbone; "
+                                 f"{type(self.model).__name__} has none")
+            self.model.backbone.checkpoint_blocks = True
         self.train_model: nn.Module = self.model
-        if self.distributed:
+        if self.sharded:
+            shard_model(self.model, cfg.dtype)  # in place: the model is its own training module
+        elif self.distributed:
             device_ids = [self.device.index] if self.device.type == "cuda" else None
             self.train_model = nn.parallel.DistributedDataParallel(self.model, device_ids=device_ids)
         if cfg.compile:  # the training forward only: evaluation reads other lengths (each a recompile) and no grads
@@ -526,7 +552,8 @@ class Trainer:
     # --------------------------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
         cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
-        return {"step": self.step, "optimizer": self.optimizer.state_dict(),
+        # a sharded run's optimiser state is in its shards (`save_sharded`), not here
+        return {"step": self.step, "optimizer": {} if self.sharded else self.optimizer.state_dict(),
                 "rng": {"cpu": torch.get_rng_state(), "cuda": cuda_rng},
                 "train_seconds": self.train_seconds, "skipped_steps": self.skipped_steps,
                 "skips_in_row": self.skips_in_row, "peak_grad": list(self.peak_grad),
@@ -538,16 +565,15 @@ class Trainer:
         return self.earlier_bound[0] + now[0], self.earlier_bound[1] + now[1]
 
     def save(self) -> None:
-        """Checkpoint the current step (rank 0; once per step)."""
+        """Checkpoint the current step (every rank takes part: its carried states, its shards; once per step)."""
         if self.saved_step == self.step:
             return
         self.read_steps()  # the skip counters go into the checkpoint
-        if self.rank == 0:
-            save_checkpoint(self.run_dir, self.step, self.model, self.state_dict(), self.cfg,
-                            keep=self.cfg.keep_checkpoints, carried=self.carried)
+        shards = (lambda folder: save_sharded(self.model, self.optimizer, folder)) if self.sharded else None
+        save_checkpoint(self.run_dir, self.step, self.model, self.state_dict(), self.cfg,
+                        keep=self.cfg.keep_checkpoints, carried=self.carried, rank=self.rank, world=self.world,
+                        write_shards=shards)
         self.saved_step = self.step
-        if self.distributed:
-            dist.barrier()
 
     def resume(self) -> bool:
         """Continue from the run directory's latest checkpoint; False (start at step 0) when it has none."""
@@ -563,12 +589,17 @@ class Trainer:
             if self.metrics is not None:
                 self.metrics.truncate(0)
             return False
-        load_weights(path, self.model)
         state = load_trainer_state(path)
-        try:
-            self.optimizer.load_state_dict(state["optimizer"])
-        except (ValueError, KeyError, RuntimeError) as err:
-            raise ValueError(f"checkpoint {path}: optimizer state does not match the model: {err}") from None
+        if self.sharded:
+            if not (path / SHARDED_DIR).is_dir():
+                raise ValueError(f"--resume: checkpoint {path} is not sharded (parallel: fsdp writes sharded ones)")
+            load_sharded(self.model, self.optimizer, path / SHARDED_DIR)
+        else:
+            load_weights(path, self.model)
+            try:
+                self.optimizer.load_state_dict(state["optimizer"])
+            except (ValueError, KeyError, RuntimeError) as err:
+                raise ValueError(f"checkpoint {path}: optimizer state does not match the model: {err}") from None
         torch.set_rng_state(state["rng"]["cpu"])
         if state["rng"]["cuda"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["rng"]["cuda"])
@@ -577,7 +608,7 @@ class Trainer:
         self.skips_in_row = state.get("skips_in_row", 0)  # absent from checkpoints written before it was kept
         self.peak_grad = tuple(state.get("peak_grad", (0.0, 0)))  # likewise
         self.earlier_bound = tuple(state.get("momentum_bound", (0, 0)))  # likewise (unknown before it: counted as 0)
-        self.carried = load_carried(path, self.device)
+        self.carried = load_carried(path, self.device, self.rank, self.world)
         self.saved_step = self.step
         if self.metrics is not None:
             self.metrics.truncate(self.step)
@@ -604,9 +635,11 @@ class Trainer:
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         ends: list[Any] = [None] * accum
         for m, batch in enumerate(batches):
-            # gradients are all-reduced once, after the last micro-batch
+            # gradients are all-reduced (or reduce-scattered) once, after the last micro-batch
             syncing = not self.distributed or m == accum - 1
-            with contextlib.nullcontext() if syncing else self.train_model.no_sync():
+            if self.sharded:
+                set_gradient_sync(self.model, syncing)
+            with contextlib.nullcontext() if syncing or self.sharded else self.train_model.no_sync():
                 if cfg.carry_windows == 1:
                     batch_loss, _ = loss_terms(self.train_model, batch, self.device, precision=cfg.dtype)
                 else:
@@ -617,6 +650,8 @@ class Trainer:
         if self.distributed:
             dist.all_reduce(loss_sum)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.optim.grad_clip or math.inf)
+        if isinstance(grad_norm, DTensor):  # sharded gradients: the norm of the whole gradient, on every rank
+            grad_norm = grad_norm.full_tensor()
         loss = loss_sum / global_count.clamp_min(1)
         finite = torch.isfinite(loss) & torch.isfinite(grad_norm)
         if self.defer_reads:
@@ -760,22 +795,26 @@ class Trainer:
             self.metrics.write(record)
 
     def _evaluate(self, lengths: list[int]) -> dict[int, dict[str, Any]]:
-        if self.rank:
+        # Rank 0 evaluates; a sharded model needs every rank for its forwards, so there all evaluate the same
+        # sequences (the parameters gathered in step) and only rank 0 keeps the numbers.
+        if self.rank and not self.sharded:
             return {}
-        return evaluate(self.model, self.eval_task, lengths,
-                        EvalPlan(self.cfg.eval_batches, self.cfg.eval_batch_size, device=self.device,
-                                 piece=self.cfg.eval_piece, precision=self.cfg.dtype,
-                                 position_buckets=self.cfg.eval_position_buckets))
+        results = evaluate(self.model, self.eval_task, lengths,
+                           EvalPlan(self.cfg.eval_batches, self.cfg.eval_batch_size, device=self.device,
+                                    piece=self.cfg.eval_piece, precision=self.cfg.dtype,
+                                    position_buckets=self.cfg.eval_position_buckets))
+        return {} if self.rank else results
 
 
-def setup_distributed(device: str = "cpu") -> bool:
-    """Initialise torch.distributed from torchrun's environment (nccl for cuda, gloo for cpu).
+def setup_distributed(device: str = "cpu", sharded: bool = False) -> bool:
+    """Initialise torch.distributed from torchrun's environment (nccl for cuda, gloo for cpu): where there are several
+    ranks, or, for a `sharded` run, under torchrun at all (FSDP needs a process group, even of one).
 
-    Returns whether this process is one rank of several.
+    Returns whether this process is one rank of a process group.
     """
     if dist.is_available() and dist.is_initialized():
         return True
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 and not (sharded and "TORCHELASTIC_RUN_ID" in os.environ):
         return False
     local = resolve_device(device, int(os.environ.get("LOCAL_RANK", "0")))
     if local.type == "cuda":
