@@ -1,12 +1,10 @@
 """DDP: two gloo ranks end with the weights and loss of one process on the same global batch."""
 
 import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
 from titans.train import load_train_config, train
@@ -16,15 +14,9 @@ from titans.train.checkpoint import latest_checkpoint
 COMMON = ["dtype=float64", "steps=4", "batch_size=8", "checkpoint_every=0"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank(rank: int, world: int, port: int, config: str, overrides: list[str], run_dir: str, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+def _rank(rank: int, port: int, config: str, overrides: list[str], run_dir: str, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
     try:
         result = train(load_train_config(config, overrides), Path(run_dir) / "full", quiet=True)
         # rank 1 runs out of time after its first step, rank 0 never would: both must stop there together
@@ -36,21 +28,11 @@ def _rank(rank: int, world: int, port: int, config: str, overrides: list[str], r
         torch.distributed.destroy_process_group()
 
 
-def test_two_ranks_match_one_rank(tiny_config, tmp_path):
+def test_two_ranks_match_one_rank(tiny_config, tmp_path, two_ranks):
     single = train(load_train_config(tiny_config, COMMON), tmp_path / "single", quiet=True)
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
     # accumulation on top: each rank runs 2 micro-batches of 2 rows, the gradient is all-reduced once
     overrides = COMMON + ["optim.grad_accum=2"]
-    procs = [ctx.Process(target=_rank, args=(r, 2, port, str(tiny_config), overrides, str(tmp_path / "ddp"), queue))
-             for r in (0, 1)]
-    for p in procs:
-        p.start()
-    results = {rank: rest for rank, *rest in (queue.get(timeout=240) for _ in procs)}
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
+    results = two_ranks(_rank, str(tiny_config), overrides, str(tmp_path / "ddp"), timeout=240)
     assert results[0][0] == results[1][0]  # every rank reports the loss of the global batch
     assert results[0][0] == pytest.approx(single.final_loss, rel=1e-12)
     assert results[1][1] == {} and results[0][1][24] == pytest.approx(single.evaluation[24], rel=1e-9)

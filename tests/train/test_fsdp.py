@@ -4,12 +4,10 @@ directory, and bf16 mixed precision keeps the memory's state float32; recomputin
 
 import os
 import shutil
-import socket
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from titans import TitansLM
 from titans.train import build_model, build_task, load_train_config, train
@@ -19,13 +17,9 @@ from titans.train.fsdp import shard_model
 from titans.train.precision import autocast
 
 MAC = ["model.variant=mac", "model.segment_len=8", "model.depth=2"]
-COMMON = [*MAC, "dtype=float64", "steps=4", "batch_size=8", "optim.grad_accum=2", "checkpoint_every=2"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# carry_windows=4: the step-2 checkpoint holds each rank's carried states, which the resume must read back
+COMMON = [*MAC, "dtype=float64", "steps=4", "batch_size=8", "optim.grad_accum=2", "checkpoint_every=2",
+          "carry_windows=4"]
 
 
 def _rank(rank: int, port: int, config: str, root: str, queue) -> None:
@@ -56,18 +50,9 @@ def _rank(rank: int, port: int, config: str, root: str, queue) -> None:
         torch.distributed.destroy_process_group()
 
 
-def test_two_sharded_ranks_match_one_process_and_resume_exactly(tiny_config, tmp_path):
+def test_two_sharded_ranks_match_one_process_and_resume_exactly(tiny_config, tmp_path, two_ranks):
     single = train(load_train_config(tiny_config, COMMON), tmp_path / "single", quiet=True)
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank, args=(r, port, str(tiny_config), str(tmp_path), queue)) for r in (0, 1)]
-    for p in procs:
-        p.start()
-    results = {rank: rest for rank, *rest in (queue.get(timeout=300) for _ in procs)}
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
+    results = two_ranks(_rank, str(tiny_config), str(tmp_path))
     (loss0, eval0, resumed0, mixed0, dtypes), (loss1, eval1, resumed1, mixed1, _) = results[0], results[1]
     assert loss0 == loss1 == pytest.approx(single.final_loss, rel=1e-12)  # the global batch's loss on every rank
     assert eval1 == {} and eval0[24] == pytest.approx(single.evaluation[24], rel=1e-9)

@@ -68,6 +68,18 @@ class ReadCounts:
     skipped: dict[str, int] = field(default_factory=lambda: {reason: 0 for reason in SKIP_REASONS})
     examples: list[str] = field(default_factory=list)
 
+    def accept(self, text: object, where: str, strict: bool, missing: str) -> bool:
+        """Whether `text` is a document (a non-empty string; counted); else it is skipped as no_text (`missing` says
+        what was found instead) or empty."""
+        if not isinstance(text, str):
+            self.skip("no_text", where, strict, missing)
+            return False
+        if not text:
+            self.skip("empty", where, strict)
+            return False
+        self.documents += 1
+        return True
+
     def skip(self, reason: str, where: str, strict: bool, detail: str = "") -> None:
         if strict and reason != "empty":
             raise ValueError(f"{where}: {reason.replace('_', ' ')}{f' ({detail})' if detail else ''}; without "
@@ -219,13 +231,7 @@ def read_piece(source: Source, piece: Piece, text_field: str, strict: bool,
 
 def _rows(name: str, texts: list, first: int, counts: ReadCounts, strict: bool) -> Iterator[tuple[str, str]]:
     for offset, text in enumerate(texts):
-        where = f"{name} row {first + offset}"
-        if not isinstance(text, str):
-            counts.skip("no_text", where, strict, f"the text is {type(text).__name__}")
-        elif not text:
-            counts.skip("empty", where, strict)
-        else:
-            counts.documents += 1
+        if counts.accept(text, f"{name} row {first + offset}", strict, f"the text is {type(text).__name__}"):
             yield f"{name}#{first + offset}", text
 
 
@@ -270,12 +276,7 @@ def _read_jsonl(source: Source, piece: Piece, text_field: str, counts: ReadCount
                 counts.skip("malformed", where, strict, " ".join(str(err).split())[:80])
                 continue
             text = record.get(text_field) if isinstance(record, dict) else None
-            if not isinstance(text, str):
-                counts.skip("no_text", where, strict, f"no string field {text_field!r}")
-            elif not text:
-                counts.skip("empty", where, strict)
-            else:
-                counts.documents += 1
+            if counts.accept(text, where, strict, f"no string field {text_field!r}"):
                 yield f"{source.name}@{start}", text
 
 

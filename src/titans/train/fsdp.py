@@ -84,5 +84,5 @@ def load_sharded_weights(folder: Path, model: nn.Module) -> None:
     import torch.distributed.checkpoint as dcp
 
     state = {"model": model.state_dict()}
-    dcp.load(state, checkpoint_id=str(folder))
+    dcp.load(state, checkpoint_id=str(folder), no_dist=True)
     model.load_state_dict(state["model"])
