@@ -225,10 +225,10 @@ def test_a_config_refused_for_several_fields_names_each_on_its_own_line(tmp_path
     assert result.stderr.splitlines() == [
         "error: model.dim: must be >= 1, got -1",
         "error: optim.lr: expected a finite number, got nan",
-        "error: stepz: unknown field for TrainConfig; valid fields: batch_size, carry_windows, checkpoint_every, "
-        "compile, device, dtype, eval_batch_size, eval_batches, eval_every, eval_piece, eval_position_buckets, "
-        "keep_checkpoints, log_every, max_skips_in_row, model, name, optim, seed, steps, task, tensorboard, threads, "
-        "time_budget_s",
+        "error: stepz: unknown field for TrainConfig; valid fields: activation_checkpointing, batch_size, "
+        "carry_windows, checkpoint_every, compile, device, dtype, eval_batch_size, eval_batches, eval_every, "
+        "eval_piece, eval_position_buckets, keep_checkpoints, log_every, max_skips_in_row, model, name, optim, "
+        "parallel, seed, steps, task, tensorboard, threads, time_budget_s",
     ]
     assert not (tmp_path / "runs").exists()
 

@@ -148,6 +148,10 @@ def test_bad_input_is_refused_and_nothing_is_overwritten(token_shards, tmp_path)
     assert (mine / "notes.txt").read_text() == "keep me"
     assert "no unfinished" in one_line_error(runner.invoke(app, [*prepare_cli, str(tmp_path / "f"), "--vocab-size",
                                                                  "300", "--resume"]))
+    # --force with a tokenizer that cannot be read: refused before the preparation it would replace is deleted
+    missing_tokenizer = [*prepare_cli, str(token_shards["dir"]), "--force", "--tokenizer", str(tmp_path / "none.json")]
+    assert "does not exist" in one_line_error(runner.invoke(app, missing_tokenizer))
+    assert shard_bytes(token_shards["dir"]) == before
     for leftover in "abcdef":  # refused before anything was created
         assert not (tmp_path / leftover).exists()
 

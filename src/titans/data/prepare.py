@@ -326,6 +326,9 @@ def prepare(options: PrepareOptions, out: str | Path, resume: bool = False, forc
     units = group_pieces(source_pieces(sources, int(options.shard_mib * MiB), options.text_field),
                          int(options.shard_mib * MiB))
     _check_val_reachable(sources, options)
+    if options.tokenizer is not None:  # a tokenizer that cannot be read is refused before --force deletes anything
+        source = tok.tokenizer_file(options.tokenizer)
+        tok.end_of_text(tok.load_tokenizer(source), options.eot_token, source)
     plan = _plan(options, sources, units)
     work = out / WORK_DIR
     if resume:
