@@ -1,25 +1,28 @@
-"""Compiles the Triton memory kernels for an sm_90 GPU (H100, H200) with triton's own compiler; no GPU needed.
+"""Compiles the Triton memory kernels for NVIDIA GPUs with triton's own compiler and ptxas; no GPU needed.
 
 Run by tests/memory/test_triton.py in a process of its own, since the kernels must be imported without
-TRITON_INTERPRET=1, which the test process sets. It reads a JSON list of launches. Each launch gives the kernel's
-name, its argument types, its constexprs, and whether to run ptxas. For each launch it prints one JSON result: the
-shared memory the kernel asks for, or the compiler's error. Shared memory is known before ptxas runs, so launches at
-large shapes skip it (ptxas takes minutes there). Run it with TRITON_CACHE_DIR pointing at a fresh folder: a kernel
-compiled without ptxas must not be cached for a GPU to load.
+TRITON_INTERPRET=1, which the test process sets. It reads a JSON list of launches; each gives the kernel's name, its
+argument types, its constexprs, its warps and the GPU's compute capability (90: H100 and H200, 80: A100). For each
+launch it prints one JSON result: the shared memory the kernel asks for, and ptxas's register and spill report
+(`ptxas -v`), or the compiler's error. Run it with TRITON_CACHE_DIR pointing at a fresh folder: the kernels are
+compiled without a driver and must not be cached for a GPU to load.
 """
 
 import json
+import re
+import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import triton
 import triton.language as tl
 from triton.backends.compiler import GPUTarget
-from triton.backends.nvidia.compiler import CUDABackend
+from triton.backends.nvidia.compiler import CUDABackend, get_ptxas
 from triton.compiler import ASTSource
 
-from titans.memory import triton_scan
+from titans.memory import triton_chunk
 
-SM_90 = GPUTarget("cuda", 90, 32)
 DTYPES = {"fp32": tl.float32, "fp64": tl.float64, "bf16": tl.bfloat16}
 
 
@@ -30,19 +33,46 @@ def constexpr(value):
     return value
 
 
-def shared_memory(launch: dict) -> int:
-    kernel = getattr(triton_scan, launch["kernel"])
+def ptx_of(launch: dict) -> tuple[str, int]:
+    """The kernel's PTX for the launch's GPU, and the shared memory it asks for (known before ptxas runs)."""
+    kernel = getattr(triton_chunk, launch["kernel"])
     constexprs = {name: constexpr(value) for name, value in launch["constexprs"].items()}
-    return triton.compile(ASTSource(kernel, launch["signature"], constexprs=constexprs), target=SM_90).metadata.shared
+    source = ASTSource(kernel, launch["signature"], constexprs=constexprs)
+    ptx = {}
+
+    def keep_ptx(self, src, metadata, opt, capability):  # stands in for ptxas, run below with -v
+        ptx["text"] = src
+        return b""
+
+    CUDABackend.make_cubin = keep_ptx
+    compiled = triton.compile(source, target=GPUTarget("cuda", launch["arch"], 32),
+                              options=dict(num_warps=launch["num_warps"], num_stages=launch["num_stages"]))
+    return ptx["text"], compiled.metadata.shared
+
+
+def ptxas_report(ptx: str, arch: int) -> dict:
+    """ptxas -v on the PTX for sm_`arch` (sm_90a on Hopper, as triton builds it): registers and spilled bytes."""
+    gpu = f"sm_{arch}a" if arch >= 90 else f"sm_{arch}"
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "kernel.ptx"
+        path.write_text(ptx)
+        done = subprocess.run([get_ptxas(arch).path, "-v", "--regAllocOptLevel=2", f"--gpu-name={gpu}", str(path),
+                               "-o", str(path.with_suffix(".cubin"))], capture_output=True, text=True)
+    log = done.stdout + done.stderr
+    if done.returncode:
+        raise RuntimeError(f"ptxas failed: {log[-2000:]}")
+    registers = re.search(r"Used (\d+) registers", log)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    return {"registers": int(registers.group(1)) if registers else None,
+            "spill_stores": int(spills.group(1)) if spills else 0, "spill_loads": int(spills.group(2)) if spills else 0}
 
 
 def main(path: str) -> None:
-    with_ptxas = CUDABackend.make_cubin
     results = []
     for launch in json.load(open(path)):
-        CUDABackend.make_cubin = with_ptxas if launch["ptxas"] else (lambda *args, **kwargs: b"")
         try:
-            results.append({"shared": shared_memory(launch)})
+            ptx, shared = ptx_of(launch)
+            results.append({"shared": shared, **ptxas_report(ptx, launch["arch"])})
         except Exception as err:  # the compiler's message is the result
             results.append({"error": f"{type(err).__name__}: {err}"[-3000:]})
     print(json.dumps(results))

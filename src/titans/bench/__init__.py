@@ -403,3 +403,25 @@ def loader(
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(record, indent=2))
         typer.echo(str(out))
+
+
+@bench_app.command("gpu")
+def gpu(
+    out: Path = typer.Option(..., help="A folder: one JSON per benchmark (matmul, layer, model, decode, precision)."),
+    only: str = typer.Option(",".join(("matmul", "layer", "model", "decode", "precision")),
+                             help="Benchmarks to run, comma-separated, in order."),
+    quick: bool = typer.Option(False, "--quick", help="Toy sizes: the whole run dry-runs on a CPU in a minute."),
+    device: Optional[str] = typer.Option(None, help="cuda (default where there is one) or cpu (with --quick)."),
+) -> None:
+    """The GPU benchmarks of docs/bench/gpu (the memory layer against causal SDPA and titans-pytorch, a 125M model's
+    training step per variant, decoding at 32K context, the kernels' precision against float64), each writing its
+    JSON as it finishes; the summary table last."""
+    import torch
+
+    from .gpu import BENCHMARKS, run, summary
+
+    chosen = _choices(only, "only", BENCHMARKS)
+    if not quick and (device == "cpu" or (device is None and not torch.cuda.is_available())):
+        raise typer.BadParameter("the full sizes need a GPU: pass --quick to dry-run on the CPU")
+    run(out, tuple(chosen), quick, device, command="titans " + " ".join(sys.argv[1:]))
+    typer.echo(summary(out))

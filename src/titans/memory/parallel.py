@@ -199,7 +199,7 @@ def _alpha_slice(alpha: Alpha, sl: slice) -> Alpha:
 
 def _scan_memory(scan: type[torch.autograd.Function], q, k, v, theta, eta, alpha, weights, momentum, chunk_size,
                  activation, residual, checkpoint_chunks, rule: Rule) -> tuple[Tensor, Weights, Weights]:
-    """`parallel_memory` through `fused.MemoryScan` or `triton_scan.TritonScan` (one contract), which work on
+    """`parallel_memory` through `fused.MemoryScan` or `triton_chunk.TritonScan` (one contract), which work on
     `[batch·heads, …]` contiguous tensors."""
     batch, heads = k.shape[:2]
     inputs = [t.reshape(batch * heads, *t.shape[2:]).contiguous() for t in (q, k, v, theta, eta, alpha)]
@@ -223,12 +223,12 @@ COMPILED_GRAPHS = 64
 
 @functools.lru_cache(maxsize=None)
 def _triton_scan():
-    """`triton_scan` (the Triton kernels), or None where triton is not installed."""
+    """`triton_chunk` (the Triton kernels), or None where triton is not installed."""
     try:
-        from . import triton_scan
+        from . import triton_chunk
     except ImportError:
         return None
-    return triton_scan
+    return triton_chunk
 
 
 @functools.lru_cache(maxsize=None)
@@ -272,8 +272,8 @@ def serving_implementation(implementation: Optional[str], q: Tensor, theta: Thet
                            weights: Weights, chunk_size: int = 16) -> str:
     """Which implementation runs a `parallel_memory` call: the one place that decides.
 
-    None picks "triton" where the kernels serve the call (CUDA tensors, triton installed, memory depth 1 or 2, state
-    matrices and chunks small enough to stay on chip: `triton_scan.unsupported`), else "fused"; "compile" runs only
+    None picks "triton" where the kernels serve the call (CUDA tensors, triton installed, memory depth 1 to 4, chunks
+    of at most 64 tokens: `triton_chunk.unsupported`), else "fused"; "compile" runs only
     when asked for. A callable θ (evaluated per chunk on the chunk's surprise), a channel-wise α and an empty
     sequence always take "autograd". "triton" or "compile" asked for where it cannot serve the call is an error
     naming why, not a silent fallback."""
@@ -350,14 +350,14 @@ def parallel_memory(
         checkpoint_chunks: when autograd is recording, recompute groups of this many chunks in the backward
             pass so memory holds one state per group instead of per chunk. None: no recomputation.
         implementation: "fused" (`fused.py`: hand-written backward, reused buffers; the C++ chunk loop on CPUs),
-            "triton" (`triton_scan.py`: the chunk loop inside Triton kernels, one program per batch·head, state on
-            chip; memory depth 1 or 2; bf16 q/k/v read as such), "autograd" (this module's chunk loop under
-            autograd: slower, but twice differentiable), or "compile" (the same loop with its chunk step through
-            `torch.compile`, inductor's C++ on CPUs and Triton on CUDA: for where the Triton kernels are not wanted;
-            compiles a graph per configuration and shape on first use, a ragged last chunk runs uncompiled; once
-            differentiable). None (default): "triton" on CUDA where it serves the call, else "fused"
-            (`serving_implementation`, the one place that decides; "compile" only when asked for). A callable θ and a
-            channel-wise α always take the autograd path.
+            "triton" (`triton_chunk.py`: the chunk loop inside Triton kernels, one program per batch·head walking its
+            state in tiles; memory depth 1 to 4, chunks up to 64; bf16 or fp16 q/k/v read as such), "autograd"
+            (this module's chunk loop under autograd: slower, but twice differentiable), or "compile" (the same loop
+            with its chunk step through `torch.compile`, inductor's C++ on CPUs and Triton on CUDA: for where the
+            Triton kernels are not wanted; compiles a graph per configuration and shape on first use, a ragged last
+            chunk runs uncompiled; once differentiable). None (default): "triton" on CUDA where it serves the call,
+            else "fused" (`serving_implementation`, the one place that decides; "compile" only when asked for). A
+            callable θ and a channel-wise α always take the autograd path.
 
     A sequence whose length is not a multiple of `chunk_size` ends with a ragged chunk. The state is
     kept in the dtype of `weights` (use float32 there even when q/k/v are bf16).
