@@ -46,7 +46,8 @@ def ptx_of(launch: dict) -> tuple[str, int]:
 
     CUDABackend.make_cubin = keep_ptx
     compiled = triton.compile(source, target=GPUTarget("cuda", launch["arch"], 32),
-                              options=dict(num_warps=launch["num_warps"], num_stages=launch["num_stages"]))
+                              options=dict(num_warps=launch["num_warps"], num_stages=launch["num_stages"],
+                                           **({"maxnreg": launch["maxnreg"]} if launch.get("maxnreg") else {})))
     return ptx["text"], compiled.metadata.shared
 
 

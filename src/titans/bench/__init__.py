@@ -423,5 +423,7 @@ def gpu(
     chosen = _choices(only, "only", BENCHMARKS)
     if not quick and (device == "cpu" or (device is None and not torch.cuda.is_available())):
         raise typer.BadParameter("the full sizes need a GPU: pass --quick to dry-run on the CPU")
-    run(out, tuple(chosen), quick, device, command="titans " + " ".join(sys.argv[1:]))
+    command = f"titans bench gpu --out {out} --only {','.join(chosen)}" + (" --quick" if quick else "") + \
+        (f" --device {device}" if device else "")
+    run(out, tuple(chosen), quick, device, command=command)
     typer.echo(summary(out))

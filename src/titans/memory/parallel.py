@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import warnings
 from typing import Callable, NamedTuple, Optional, Union
 
 import torch
@@ -290,9 +291,24 @@ def serving_implementation(implementation: Optional[str], q: Tensor, theta: Thet
         if reason is not None:
             raise ValueError(f"implementation='triton' cannot serve this call: {reason}")
     if implementation is None:  # triton is imported only for CUDA tensors
-        serves = q.is_cuda and (scan := _triton_scan()) is not None and scan.unsupported(q, weights, chunk_size) is None
-        return "triton" if serves else "fused"
+        if not q.is_cuda:
+            return "fused"
+        scan = _triton_scan()
+        reason = "triton is not installed (pip install 'titans[gpu]')" if scan is None else \
+            scan.unsupported(q, weights, chunk_size)
+        if reason is not None:
+            _warn_fallback(reason)
+            return "fused"
+        return "triton"
     return implementation
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_fallback(reason: str) -> None:
+    """One warning per reason (not per call: a model calls the memory once per layer and step) that a CUDA call runs
+    the fused chunk loop, which on a GPU is Python driving small kernels, because the Triton kernels cannot serve it."""
+    warnings.warn(f"the memory runs the fused chunk loop on this CUDA call, much slower than the Triton kernels, "
+                  f"which cannot serve it: {reason}", stacklevel=3)
 
 
 @without_autocast

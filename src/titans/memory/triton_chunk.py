@@ -258,19 +258,24 @@ def _diag(m, rows):
 @dataclass(frozen=True)
 class Tiles:
     """The kernels' tile sides (BK rows of the state per step of a product, BN columns of its output) and launch
-    options. One software-pipelining stage: a loop's next tiles prefetched into registers would spill them."""
+    options: one software-pipelining stage (a loop's next tiles prefetched into registers would spill them), and
+    the forward's register ceiling where it is given (`choose_tiles`)."""
 
     BK: int
     BN: int
-    warps: int = 4
+    warps: int = 8
     stages: int = 1
+    forward_maxnreg: Optional[int] = None
 
 
-def choose_tiles(geo: Geometry, dtype: torch.dtype) -> Tiles:
-    """16 × 16 tiles and 8 warps: every product with the state then holds one element of each operand tile per
-    thread, and the backward kernel, the largest, stays within 255 registers without spilling at real sizes
-    (compiled for sm_90 and sm_80 by tests/memory/test_triton.py; 32-wide tiles spilled there)."""
-    return Tiles(16, 16, 8)
+def choose_tiles(geo: Geometry, dtype: torch.dtype, chunk_size: int = 16) -> Tiles:
+    """16 × 16 tiles and 8 warps: a small product's FMA operands are a row and a column per thread, so one output
+    element per thread keeps every product within 255 registers. The forward kernel at chunks of up to 32 tokens gets
+    an explicit ceiling of 255: without it ptxas held the default model memory's forward (64 × 256, chunk 16) to 128
+    registers and spilled 212 bytes; with it, none. Both kernels compile for sm_90 and sm_80 without a spilled
+    register at chunks of up to 32 (tests/memory/test_triton.py reads ptxas's report); at 64 the backward's n × n
+    algebra spills (PERFORMANCE.md)."""
+    return Tiles(16, 16, 8, 1, 255 if _pow2(chunk_size) <= 32 else None)
 
 
 @triton.jit
@@ -298,7 +303,7 @@ def _keys(wb, FW, fidx, k_tok, v_tok, e_b, a_b, p_b, dl_b, aa_b, dd_b, gamma, n_
     """Pass A: the keys at the chunk's starting weights, p_i = a_i W_i, a_{i+1} = σ(p_i), and the last layer's δ =
     g(M(k) − v) (eq. 12's ℓ_t, differentiated by `_loss_grad`); the Gram matrices a_{i+1} a_{i+1}ᵀ and δ_L δ_Lᵀ."""
     valid = (rows < n_valid)[:, None]
-    for i in tl.static_range(DEPTH):
+    for i in range(DEPTH):
         W_IN = D_IN + (HID - D_IN) * (i > 0)
         W_OUT = HID + (D_OUT - HID) * (i == DEPTH - 1)
         IN_OFF = (i > 0) * (D_IN + (i - 1) * HID)
@@ -343,7 +348,7 @@ def _deltas(wb, FW, fidx, p_b, dl_b, m_b, dd_b, rows, rk, rn,
             CHP: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr, ACT: tl.constexpr, RECORD: tl.constexpr,
             PREC: tl.constexpr, DT: tl.constexpr):
     """Pass B: δ_i = m_i ⊙ σ'(p_i), m_i = δ_{i+1} W_{i+1}ᵀ, from the last hidden layer down; each δ_i's Gram matrix."""
-    for ii in tl.static_range(DEPTH - 1):
+    for ii in range(DEPTH - 1):
         i = DEPTH - 2 - ii
         NEXT_OUT = HID + (D_OUT - HID) * (i + 1 == DEPTH - 1)
         NEXT_ST = D_IN * HID + i * HID * HID
@@ -378,7 +383,7 @@ def _step(theta_raw, D, E_last, aa_b, dd_b, rows, last, max_grad_norm,
     G = Σ_i a_i a_iᵀ ⊙ δ_i δ_iᵀ) applied to both."""
     sq = tl.zeros([CHP], DT)
     gram = tl.zeros([CHP, CHP], DT)
-    for i in tl.static_range(DEPTH):
+    for i in range(DEPTH):
         AA = _ld(aa_b + i * CHP * CHP, rows, rows, CHP, CHP, CHP, DT)
         DD = _ld(dd_b + i * CHP * CHP, rows, rows, CHP, CHP, CHP, DT)
         sq += _diag(AA, rows) * _diag(DD, rows)
@@ -416,17 +421,14 @@ def _queries(wb, sb, FW, fidx, h_b, a_b, dl_b, r_b, hw_b, hs_b, ha_b, y_tok, sca
     W' = β_n W⁰ + c_n S⁰ − a_iᵀ (C[n,:] ⊙ ρ_i δ_i), S' = e_n S⁰ − a_iᵀ (u_m ⊙ ρ_i δ_i), with its norms for the bounded
     state. Returns the factors of the state as it now stands (FW: W_i at i, S_i at 4 + i)."""
     valid = (rows < n_valid)[:, None]
-    for i in tl.static_range(DEPTH):
+    for i in range(DEPTH):
         W_IN = D_IN + (HID - D_IN) * (i > 0)
         W_OUT = HID + (D_OUT - HID) * (i == DEPTH - 1)
         IN_OFF = (i > 0) * (D_IN + (i - 1) * HID)
         NEXT_IN = D_IN + i * HID
         OUT_OFF = i * HID
         ST = (i > 0) * (D_IN * HID + (i - 1) * HID * HID)
-        if i < DEPTH - 1:  # ρ: the hidden layers step ρ θ (after the bounds saw the whole gradient)
-            rho = hidden_step
-        else:
-            rho = 1.0
+        rho = tl.where(i < DEPTH - 1, hidden_step, 1.0)  # ρ: the hidden layers step ρ θ (after the bounds saw it)
         f_w = _entry(FW, fidx, i)
         f_s = _entry(FW, fidx, 4 + i)
         ha = tl.zeros([CHP, CHP], DT)
@@ -496,7 +498,7 @@ def _copy_state(src_w, src_s, dst_w, dst_s, FW, fidx, rk, rn,
                 D_IN: tl.constexpr, HID: tl.constexpr, D_OUT: tl.constexpr, DEPTH: tl.constexpr,
                 BK: tl.constexpr, BN: tl.constexpr, DT: tl.constexpr):
     """dst = the state as it stands (each stored matrix times its pending factor); dst may be src."""
-    for i in tl.static_range(DEPTH):
+    for i in range(DEPTH):
         W_IN = D_IN + (HID - D_IN) * (i > 0)
         W_OUT = HID + (D_OUT - HID) * (i == DEPTH - 1)
         ST = (i > 0) * (D_IN * HID + (i - 1) * HID * HID)
@@ -708,7 +710,7 @@ def _backward_kernel(
         d_c_n = 0.0
         d_e_n = 0.0
         d_beta_n = 0.0
-        for ii in tl.static_range(DEPTH):
+        for ii in range(DEPTH):
             i = DEPTH - 1 - ii
             W_IN = D_IN + (HID - D_IN) * (i > 0)
             W_OUT = HID + (D_OUT - HID) * (i == DEPTH - 1)
@@ -716,10 +718,7 @@ def _backward_kernel(
             OUT_OFF = i * HID
             PREV_OFF = (i > 0) * (i - 1) * HID
             ST = (i > 0) * (D_IN * HID + (i - 1) * HID * HID)
-            if i < DEPTH - 1:
-                rho = hidden_step
-            else:
-                rho = 1.0
+            rho = tl.where(i < DEPTH - 1, hidden_step, 1.0)
             ph_w = _entry(PHI, fidx, i)
             ph_s = _entry(PHI, fidx, 4 + i)
             # r_d = ∂r ρδᵀ (r −= (C ⊙ h aᵀ) ρ δ), ∂β = Σ ∂r ⊙ h W⁰, ∂c = Σ ∂r ⊙ h S⁰
@@ -816,7 +815,7 @@ def _backward_kernel(
             # scale = c / sqrt(max(sq, c²)): d scale / d sq = −scale / (2 sq) above the bound, 0 below
             above = sq > max_grad_norm * max_grad_norm
             d_sq = tl.where(above, -0.5 * d_th * theta_raw * scale / tl.where(above, sq, 1.0), 0.0)
-            for i in tl.static_range(DEPTH):  # ‖∇ℓ_t‖² = Σ_i ‖a_i‖² ‖δ_i‖²
+            for i in range(DEPTH):  # ‖∇ℓ_t‖² = Σ_i ‖a_i‖² ‖δ_i‖²
                 W_IN = D_IN + (HID - D_IN) * (i > 0)
                 W_OUT = HID + (D_OUT - HID) * (i == DEPTH - 1)
                 IN_OFF = (i > 0) * (D_IN + (i - 1) * HID)
@@ -841,7 +840,7 @@ def _backward_kernel(
         _st(dD_ptr + dec * CH, d_D, rows, rows, n_valid, n_valid, CH)
         tl.store(de_last_ptr + bh * num_chunks + j, d_e_n.to(de_last_ptr.dtype.element_ty))
         # --- 4. the δ recursion: δ_i = m_i ⊙ σ'(p_i), m_i = δ_{i+1} W_{i+1}ᵀ, from the first layer up ----------------
-        for i in tl.static_range(DEPTH - 1):
+        for i in range(DEPTH - 1):
             NEXT_OUT = HID + (D_OUT - HID) * (i + 1 == DEPTH - 1)
             NEXT_ST = D_IN * HID + i * HID * HID
             OUT_OFF = i * HID
@@ -879,7 +878,7 @@ def _backward_kernel(
             tl.store(dgate_ptr + tok + rows, d_gamma.to(dgate_ptr.dtype.element_ty), mask=vrows)
         tl.debug_barrier()
         # --- 5. the keys, last layer first: ∂W⁰ = β_n ∂W' + its rank-n terms, ∂a_i = ∂p_i W_iᵀ ------------------------
-        for ii in tl.static_range(DEPTH):
+        for ii in range(DEPTH):
             i = DEPTH - 1 - ii
             W_IN = D_IN + (HID - D_IN) * (i > 0)
             W_OUT = HID + (D_OUT - HID) * (i == DEPTH - 1)
@@ -890,8 +889,9 @@ def _backward_kernel(
             ph_w = _entry(PHI, fidx, i)
             for ji in range(0, (W_IN + BK - 1) // BK):
                 kk = ji * BK + rk
-                h_t = tl.trans(_ld(h_b + IN_OFF, rows, kk, CHP, W_IN, IN_T, DT))
-                a_t = tl.trans(_ld(a_b + IN_OFF, rows, kk, CHP, W_IN, IN_T, DT))
+                # hᵀ (β ⊙ ∂r) + aᵀ ∂p as one product: the two left factors side by side along the chunk's rows
+                ha_t = _pair(tl.trans(_ld(h_b + IN_OFF, rows, kk, CHP, W_IN, IN_T, DT)),
+                             tl.trans(_ld(a_b + IN_OFF, rows, kk, CHP, W_IN, IN_T, DT)))
                 # ∂m_{i−1} (zeros for the first layer, which has none)
                 dm_t = tl.trans(_ld(dm_b + PREV_OFF, rows, kk, CHP, W_IN * (i > 0), OUT_T, DT))
                 acc = _ld(da_b + IN_OFF, rows, kk, CHP, W_IN, IN_T, DT)
@@ -906,7 +906,8 @@ def _backward_kernel(
                         dr = _ld(dr_b + OUT_OFF, rows, cols, CHP, W_OUT, OUT_T, DT)
                     dwn = _ld(dwb + ST, kk, cols, W_IN, W_OUT, W_OUT, DT) * ph_w
                     d_beta_n += tl.sum(tl.sum(w * dwn, 1), 0)  # ∂β_n = Σ ⟨W⁰, ∂W'⟩
-                    dw0 = beta_n * dwn + _mm(h_t, beta[:, None] * dr, PREC_STATE) + _mm(a_t, dp, PREC_STATE)
+                    right = tl.trans(_pair(tl.trans(beta[:, None] * dr), tl.trans(dp)))
+                    dw0 = beta_n * dwn + _mm(ha_t, right, PREC_STATE)
                     if i > 0:
                         dw0 += _mm(dm_t, _ld(dl_b + OUT_OFF, rows, cols, CHP, W_OUT, OUT_T, DT), PREC_STATE)
                     _st(dwb + ST, dw0, kk, cols, W_IN, W_OUT, W_OUT)
@@ -941,9 +942,11 @@ def _padded_decays(eta: Tensor, alpha: Tensor, chunk_size: int) -> ChunkDecays:
 
 
 class Launch(NamedTuple):
-    """What a call's kernels are compiled for (constexprs) and the numbers they read at run time."""
+    """What a call's kernels are compiled for (constexprs and launch options, `forward_options` the forward's own)
+    and the numbers they read at run time."""
 
     constexprs: dict
+    forward_options: dict
     params: Tensor  # [max_grad_norm, ρ, p, ε, δ] in the state's dtype
     radii: Tensor  # max_state_norm · √d_out of each layer
 
@@ -975,7 +978,7 @@ def _loss_of(cfg: ScanConfig) -> tuple[int, float, float, float]:
 def launch_of(cfg: ScanConfig, geo: Geometry, q: Tensor, state_dtype: torch.dtype, device, gated: bool,
               tiles: Optional[Tiles] = None, precision: str = "ieee") -> Launch:
     """The kernels' constexprs and run-time numbers for a call: the one place that turns the rule into them."""
-    tiles = tiles or choose_tiles(geo, state_dtype)
+    tiles = tiles or choose_tiles(geo, state_dtype, cfg.chunk_size)
     code, p, eps, delta = _loss_of(cfg)
     dt = tl.float64 if state_dtype == torch.float64 else tl.float32
     constexprs = dict(
@@ -988,7 +991,8 @@ def launch_of(cfg: ScanConfig, geo: Geometry, q: Tensor, state_dtype: torch.dtyp
     )
     values = [cfg.max_grad_norm or 0.0, cfg.hidden_step, p, eps, delta]
     radii = [(cfg.max_state_norm or 0.0) * w ** 0.5 for _, w in geo.layer_shapes()]
-    return Launch(constexprs, _filled(values, state_dtype, device), _filled(radii, state_dtype, device))
+    forward = {"maxnreg": tiles.forward_maxnreg} if tiles.forward_maxnreg else {}
+    return Launch(constexprs, forward, _filled(values, state_dtype, device), _filled(radii, state_dtype, device))
 
 
 def _filled(values: list[float], dtype: torch.dtype, device) -> Tensor:
@@ -1065,7 +1069,8 @@ def _run_forward(launch: Launch, q, k, v, theta, gate, dec: ChunkDecays, w, s, s
     _forward_kernel[(bh,)](
         q, k, v, theta, gate, *dec, launch.params, launch.radii, w, s, *(saved or (w, s)), y,
         launch.params if scales is None else scales, *scratch,
-        bh, seq, dec.beta.shape[1], chunks.start, chunks.stop, save_every, **launch.constexprs)
+        bh, seq, dec.beta.shape[1], chunks.start, chunks.stop, save_every, **launch.constexprs,
+        **launch.forward_options)
 
 
 class TritonChunk(torch.autograd.Function):
