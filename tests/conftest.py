@@ -1,7 +1,12 @@
 import os
 
-import pytest
-import torch
+# MKL in its strict reproducible mode, set before torch loads it: by default its float64 results depend on the alignment
+# of the buffers (what the process allocated before), so two runs of one computation in different processes can differ
+# in the last bit, and tests/memory/test_golden.py compares results to the bit.
+os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # Without a GPU the Triton kernels run under Triton's interpreter (tests/memory/test_triton.py). The variable must be
 # set before triton is first imported, and that can happen long before the kernels' tests (torch imports triton for

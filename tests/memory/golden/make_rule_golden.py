@@ -5,6 +5,10 @@ Run at the commit the change started from (851c969), with that commit's tree fir
 
     PYTHONPATH=<checkout of 851c969>/src python tests/memory/golden/make_rule_golden.py OUT.safetensors
 
+MKL is put in its strict reproducible mode (MKL_CBWR=AUTO,STRICT, set here before torch is imported, and by
+tests/conftest.py for the suite): by default its results depend on the alignment of the buffers, that is on what the
+process allocated before, and differ in the last bit between two runs of the same computation in different processes.
+
 It calls the API of that commit (loose rule arguments: `max_grad_norm=`, `normalize_chunk=`, ...), so it does not run
 against the library after the change; the test calls the same cases through the new API. Everything is float64, one
 torch thread, fixed seeds, tiny shapes; the inputs are stored beside the results, so the test reads the cases' inputs
@@ -16,18 +20,21 @@ one-token generation step, `NeuralMemory` (one call, a stream cut in pieces, tok
 
 from __future__ import annotations
 
+import os
 import platform
 import subprocess
 import sys
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
-from safetensors.torch import save_file
+os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")  # before torch loads MKL (module docstring)
 
-from titans import NeuralMemory, TitansConfig, TitansLM
-from titans.memory import fused, parallel_memory, sequential_memory
-from titans.memory.step import memory_token_step
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+
+from titans import NeuralMemory, TitansConfig, TitansLM  # noqa: E402
+from titans.memory import fused, parallel_memory, sequential_memory  # noqa: E402
+from titans.memory.step import memory_token_step  # noqa: E402
 
 DT = torch.float64
 
@@ -212,7 +219,7 @@ def main(out: str) -> None:
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                             cwd=Path(__import__("titans").__file__).parent).stdout.strip()
     meta = {"cpu": cpu, "avx512": str("avx512f" in flags), "torch": torch.__version__, "commit": commit,
-            "python": sys.version.split()[0]}
+            "python": sys.version.split()[0], "mkl_cbwr": os.environ["MKL_CBWR"]}
     save_file({k: v.detach().clone().contiguous() for k, v in store.items()}, out, metadata=meta)
     print(f"wrote {len(store)} tensors to {out}: {meta}")
 
