@@ -139,8 +139,10 @@ def test_model_and_train_configs_check_assignments():
         model.dim = 130
     with pytest.raises(ValueError, match=r"^dropout: must be in \[0, 1\), got 1.0$"):
         model.dropout = 1.0
-    with pytest.raises(ValueError, match="^memory_init_theta must be in"):
-        model.memory_init_theta = 2.0
+    with pytest.raises(ValueError, match=r"^memory: init_theta must be in \(0, max_lr = 1.0\), got 2.0$"):
+        model.memory = {"init_theta": 2.0}
+    with pytest.raises(ValueError, match="^memory_depth: unknown field for TitansConfig"):  # flat names are read, not
+        model.memory_depth = 1  # attributes: the section's fields are (model.memory.depth)
     assert model == TitansConfig()
     train = TrainConfig()
     with pytest.raises(ValueError, match=r"^batch_size \(16\) must be divisible by optim\.grad_accum \(3\)$"):

@@ -16,6 +16,7 @@ transformers = pytest.importorskip("transformers", reason="the hf extra (transfo
 import titans.hf  # noqa: E402, F401  (registers the auto classes)
 from titans import TitansConfig, TitansLM  # noqa: E402
 from titans.hf import TitansCache, TitansForCausalLM, TitansHFConfig  # noqa: E402
+from titans.models.config import FLAT_MEMORY_FIELDS  # noqa: E402
 from titans.models.pretrained import FORMAT_VERSION  # noqa: E402
 
 AutoConfig, AutoModelForCausalLM = transformers.AutoConfig, transformers.AutoModelForCausalLM
@@ -120,11 +121,25 @@ def test_format_version(tmp_path):
     config_path = directory / "config.json"
     data = json.loads(config_path.read_text())
     assert data["titans_format_version"] == FORMAT_VERSION and data["model_type"] == "titans"
-    del data["titans"]["memory_hidden_step"]  # as if written before the field existed
+    del data["titans"]["memory"]["hidden_step"]  # as if written before the field existed
     config_path.write_text(json.dumps(data))
     for loaded in (TitansLM.from_pretrained(directory).config,
                    AutoModelForCausalLM.from_pretrained(directory).config.titans_config):
-        assert loaded.memory_hidden_step == TitansConfig().memory_hidden_step
+        assert loaded.memory.hidden_step == TitansConfig().memory.hidden_step
+    # version 1 wrote the memory's fields flat: both loaders read them into the section (and a keyword, flat or
+    # nested, changes the loaded config as the file's own field would)
+    section = {key: value for key, value in data["titans"].items() if key != "memory"}
+    flat = {old: data["titans"]["memory"][new] for old, new in FLAT_MEMORY_FIELDS.items()
+            if new in data["titans"]["memory"]}
+    config_path.write_text(json.dumps({**data, "titans_format_version": 1, "titans": {**section, **flat}}))
+    expected = TitansLM.from_pretrained(directory).config
+    assert expected.memory.hidden_step == 1.0 and expected.memory.chunk_size == TINY["chunk_size"]
+    assert AutoModelForCausalLM.from_pretrained(directory).config.titans_config == expected
+    hf_config = TitansHFConfig(titans=json.loads(config_path.read_text())["titans"], titans_format_version=1,
+                               memory_depth=1, memory={"expansion": 2})
+    assert (hf_config.titans_config.memory.depth, hf_config.titans_config.memory.expansion) == (1, 2)
+    assert hf_config.titans_format_version == FORMAT_VERSION and "memory_depth" not in hf_config.titans
+    config_path.write_text(json.dumps(data))
 
     config_path.write_text(json.dumps({**data, "titans_format_version": FORMAT_VERSION + 1}))
     with pytest.raises(ValueError, match=f"format version {FORMAT_VERSION + 1}, newer than this library reads "

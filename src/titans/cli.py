@@ -94,7 +94,7 @@ def train(
                    f"(optim.grad_clip {cfg.optim.grad_clip})")
         lowered, bounded = result.momentum_bound
         if bounded:
-            typer.echo(f"learned θ_t lowered by the momentum-gain bound (κ = {cfg.model.memory_max_momentum_step:g}): "
+            typer.echo(f"learned θ_t lowered by the momentum-gain bound (κ = {cfg.model.memory.max_momentum_step:g}): "
                        f"{lowered} of {bounded} ({lowered / bounded:.3%})")
         for length, metrics in result.evaluation.items():
             typer.echo(f"length {length}: " + ", ".join(metric_text(k, v) for k, v in metrics.items()))

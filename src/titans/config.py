@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 import types
 from pathlib import Path
-from typing import Annotated, Any, TypeVar, Union, get_args, get_origin
+from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError
@@ -101,9 +101,15 @@ def _problems(err: ValidationError, cls: type[Config]) -> list[tuple[str, str]]:
     """Pydantic's errors in our words: (dotted path, what is wrong, with the value given)."""
     problems = []
     for error in err.errors(include_url=False):
-        path, kind = _dotted(error["loc"]), error["type"]
+        path, kind = _dotted(_without_union_tags(cls, error["loc"])), error["type"]
         if kind == "value_error":  # a model validator's rule: its message names the fields it involves
             problems.append((path, str(error["ctx"]["error"])))
+        elif kind == "union_tag_invalid":  # a tagged union (a loss by `name`): a name it does not know
+            ctx = error["ctx"]
+            problems.append((path, f"{ctx['discriminator'].strip(chr(39))} must be one of {ctx['expected_tags']}, "
+                                   f"got {ctx['tag']!r}"))
+        elif kind == "union_tag_not_found":
+            problems.append((path, f"needs its {error['ctx']['discriminator']}, got {_short(error['input'])}"))
         elif kind in ("extra_forbidden", "no_such_attribute"):  # in the data, or assigned to
             owner = _model_at(cls, error["loc"][:-1])
             valid = f"; valid fields: {', '.join(sorted(owner.model_fields))}" if owner else ""
@@ -128,18 +134,56 @@ def _problems(err: ValidationError, cls: type[Config]) -> list[tuple[str, str]]:
 
 
 def _model_at(cls: type[BaseModel], loc: tuple[int | str, ...]) -> type[BaseModel] | None:
-    """The config class of the value at `loc` inside a `cls` (through nested configs, lists and dicts), if any."""
+    """The config class of the value at `loc` inside a `cls` (through nested configs, lists, dicts and tagged unions,
+    whose member the loc names by its tag), if any."""
     tp: Any = cls
     for part in loc:
         if isinstance(tp, type) and issubclass(tp, BaseModel) and part in tp.model_fields:
             tp = tp.model_fields[part].annotation
         elif get_origin(tp) in (list, dict):
             tp = get_args(tp)[-1]  # list[X] -> X, dict[K, X] -> X
+        elif _tagged(tp) and part in _tagged(tp):
+            tp = _tagged(tp)[part]
+            continue
         else:
             return None
-        if get_origin(tp) in (Union, types.UnionType):  # Optional[X] -> X
+        if get_origin(tp) in (Union, types.UnionType) and not _tagged(tp):  # Optional[X] -> X
             tp = next(arg for arg in get_args(tp) if arg is not type(None))
     return tp if isinstance(tp, type) and issubclass(tp, BaseModel) else None
+
+
+def _tagged(tp: Any) -> dict[str, type[BaseModel]]:
+    """{tag: member} of a union of configs told apart by a `name` literal (a tagged union: `memory.loss`), else {}."""
+    if get_origin(tp) not in (Union, types.UnionType):
+        return {}
+    members = [arg for arg in get_args(tp) if isinstance(arg, type) and issubclass(arg, BaseModel)]
+    tags = {}
+    for member in members:
+        field = member.model_fields.get("name")
+        if field is None or get_origin(field.annotation) is not Literal:
+            return {}
+        tags.update({tag: member for tag in get_args(field.annotation)})
+    return tags
+
+
+def _without_union_tags(cls: type[BaseModel], loc: tuple[int | str, ...]) -> tuple[int | str, ...]:
+    """`loc` without the tags pydantic puts in it where it enters a tagged union (`memory.loss.huber.delta` ->
+    `memory.loss.delta`): the member is the value's own `name`, not a level of the config."""
+    kept = []
+    for i, part in enumerate(loc):
+        tp = _model_at(cls, loc[:i])
+        if tp is None and i > 0 and _tagged(_field_type(cls, loc[:i])) and part in _tagged(_field_type(cls, loc[:i])):
+            continue
+        kept.append(part)
+    return tuple(kept)
+
+
+def _field_type(cls: type[BaseModel], loc: tuple[int | str, ...]) -> Any:
+    """The annotation of the field at `loc` inside a `cls` (None where `loc` names no field)."""
+    owner = _model_at(cls, loc[:-1])
+    if owner is None or not isinstance(loc[-1], str) or loc[-1] not in owner.model_fields:
+        return None
+    return owner.model_fields[loc[-1]].annotation
 
 
 def _bounds(cls: type[BaseModel], loc: tuple[int | str, ...]) -> dict[str, Any]:

@@ -54,7 +54,7 @@ def test_state_gradient_is_the_gradient_of_the_rest_of_the_sequence(tmp_path):
     leaf copies of the state (only the pieces after i depend on it)."""
     tiny_run(tmp_path, "lmm", depth=1)
     path, cfg, task, model = load_replay(tmp_path / "run", [])
-    piece = cfg.model.chunk_size
+    piece = cfg.model.memory.chunk_size
     r = replay_step(model, cfg, task, 2, piece)
     batch = sample_rows(task, range(cfg.batch_size), cfg.task.train_length, TRAIN_STREAM, cfg.seed, 2)
     cut = 3  # boundary after the fourth piece
@@ -126,7 +126,8 @@ def test_set_replays_the_same_weights_under_another_rule(tmp_path):
     tiny_run(tmp_path, "mac")
     _, cfg, _, model = load_replay(tmp_path / "run", ["model.memory_hidden_step=0.1"])
     _, _, _, plain = load_replay(tmp_path / "run", [])
-    assert cfg.model.memory_hidden_step == 0.1
+    assert cfg.model.memory.hidden_step == 0.1
+    assert load_replay(tmp_path / "run", ["model.memory.hidden_step=0.2"])[1].model.memory.hidden_step == 0.2
     for a, b in zip(model.state_dict().values(), plain.state_dict().values()):
         assert torch.equal(a, b)
 

@@ -34,10 +34,10 @@ def test_bench_recall_end_to_end_and_resumes(tmp_path):
 def test_overrides_change_the_measured_defaults(tmp_path):
     from titans.bench.recall import recall_config
 
-    cfg = recall_config("lmm", "kv_recall", 0, 5, 16, ["model.memory_init_eta=0.5", "model.max_lr=0.02"])
-    assert (cfg.model.memory_init_eta, cfg.model.max_lr, cfg.model.dim) == (0.5, 0.02, 64)
+    cfg = recall_config("lmm", "kv_recall", 0, 5, 16, ["model.memory_init_eta=0.5", "model.memory.max_lr=0.02"])
+    assert (cfg.model.memory.init_eta, cfg.model.memory.max_lr, cfg.model.dim) == (0.5, 0.02, 64)
     default = recall_config("lmm", "kv_recall", 0, 5, 16)
-    assert default.model.memory_init_eta == 0.1 and default.model.max_lr == 1.0
+    assert default.model.memory.init_eta == 0.1 and default.model.memory.max_lr == 1.0
 
 
 def test_table_averages_seeds():

@@ -14,6 +14,7 @@ from titans.experiments import expand, experiment_names, load_experiment, run_ex
 from titans.experiments.measure import memory_reader
 from titans.experiments.report import README_END, README_START, fmt, load_results, plot_models
 from titans.experiments.runner import _train_or_error, describe_run, finished, resumable, train_one, train_results
+from titans.models.config import FLAT_MEMORY_FIELDS
 from titans.tasks import measure_capacity
 from titans.train import build_model, build_task, train
 
@@ -135,7 +136,7 @@ def test_extra_models_are_rows_of_their_variant_with_their_changes(quick_results
     assert {"lmm depth1", "mac depth1"} <= set(data["results"])
     for label, variant in (("lmm depth1", "lmm"), ("mac depth1", "mac")):
         runs = [r for r in data["runs"].values() if r["model"] == label]
-        assert runs and all(r["config"]["model"]["variant"] == variant and r["config"]["model"]["memory_depth"] == 1
+        assert runs and all(r["config"]["model"]["variant"] == variant and r["config"]["model"]["memory"]["depth"] == 1
                             for r in runs)
     data["results"]["lmm depth1"] = {s: 2.0 for s in data["results"]["lmm depth1"]}  # beats everything
     assert all("best Titans variant lmm depth1" in line for line in observations(data))
@@ -302,7 +303,7 @@ def test_runs_of_an_earlier_config_are_shown_marked_stale_until_trained_again(qu
     changed = expand(exp)[0].run_id
 
     def edit(data):  # a record from before the field existed: it trained with the residual, the earlier default
-        del data["runs"][changed]["config"]["model"]["memory_residual"]
+        del data["runs"][changed]["config"]["model"]["memory"]["residual"]
 
     before = json.loads((results_dir / "niah.json").read_text())
     clone = fresh_clone_of(results_dir, "niah", tmp_path, edit)
@@ -312,14 +313,14 @@ def test_runs_of_an_earlier_config_are_shown_marked_stale_until_trained_again(qu
     assert result.exit_code == 0 and calls == []
     data = json.loads((clone / "niah.json").read_text())
     assert data["pending"] == [changed] and set(data["runs"]) == set(before["runs"])
-    assert data["stale"] == {changed: ["model.memory_residual: true → false"]}
-    assert "memory_residual" not in data["runs"][changed]["config"]["model"]  # the config as recorded
+    assert data["stale"] == {changed: ["model.memory.residual: true → false"]}
+    assert "residual" not in data["runs"][changed]["config"]["model"]["memory"]  # the config as recorded
     assert data["runs"][changed]["values"] == before["runs"][changed]["values"]
     assert data["results"] == before["results"]
     total = len(before["runs"])
     text = section(data, clone / "niah.json", clone / "niah.png", clone)
     assert f"**Incomplete**: {total - 1} of {total} runs finished; 1 more are shown as trained under an earlier " \
-           "config" in text and "model.memory_residual: true → false (1 runs)" in text
+           "config" in text and "model.memory.residual: true → false (1 runs)" in text
     head = headline(data, "RESULTS.md", "niah.png")
     assert "shown from an earlier config" in head
     row = data["runs"][changed]["model"]
@@ -327,7 +328,63 @@ def test_runs_of_an_earlier_config_are_shown_marked_stale_until_trained_again(qu
                                                  if other != row)
     after = json.loads(run_experiment(exp, clone, tmp_path / "runs", jobs=1, quick=True, quiet=True).read_text())
     assert len(calls) == 1 and "stale" not in after and "pending" not in after
-    assert after["runs"][changed]["config"]["model"]["memory_residual"] is False
+    assert after["runs"][changed]["config"]["model"]["memory"]["residual"] is False
+
+
+def flat_record(model: dict) -> dict:
+    """A model config as records were written before the memory section (format version 1): its fields flat."""
+    memory = model["memory"]
+    flat = {old: memory[new] for old, new in FLAT_MEMORY_FIELDS.items() if new in memory}
+    return {**{key: value for key, value in model.items() if key != "memory"}, **flat}
+
+
+def test_records_written_flat_are_read_back_as_the_same_runs(quick_results, tmp_path, monkeypatch):
+    """Results JSONs written before the memory section hold flat model configs (`memory_depth`, `chunk_size`, ...):
+    a grid reads them back as the runs they are, nothing pending and nothing stale, and rewrites them nested."""
+    results_dir, _ = quick_results
+    before = json.loads((results_dir / "niah.json").read_text())
+
+    def flatten(data):
+        for record in data["runs"].values():
+            record["config"]["model"] = flat_record(record["config"]["model"])
+
+    clone = fresh_clone_of(results_dir, "niah", tmp_path, flatten)
+    assert "memory_depth" in json.loads((clone / "niah.json").read_text())["runs"][next(iter(before["runs"]))][
+        "config"]["model"]
+    calls = spy_on_train(monkeypatch)
+    result = CliRunner().invoke(app, ["experiment", "run", "niah", "--quick", "--no-train", "--results-dir",
+                                      str(clone), "--runs-dir", str(tmp_path / "runs"), "--quiet"])
+    assert result.exit_code == 0 and calls == []
+    data = json.loads((clone / "niah.json").read_text())
+    assert "pending" not in data and "stale" not in data and data["results"] == before["results"]
+    assert all(record["config"] == before["runs"][run_id]["config"] for run_id, record in data["runs"].items())
+
+
+def test_a_committed_grid_keeps_its_current_stale_and_pending_runs(tmp_path, monkeypatch):
+    """The runner decides which runs are current by comparing configs: the committed `niah` grid (records written
+    flat, before the memory section; runs trained under an earlier default among them), rewritten with --no-train,
+    has exactly the pending and stale runs its JSON names, each stale for the same fields (now spelled as paths in the
+    memory section)."""
+    committed = json.loads((ROOT / "docs" / "results" / "niah.json").read_text())
+    clone = tmp_path / "results"
+    clone.mkdir()
+    (clone / "niah.json").write_text(json.dumps(committed))
+    calls = spy_on_train(monkeypatch)
+    result = CliRunner().invoke(app, ["experiment", "run", "niah", "--no-train", "--results-dir", str(clone),
+                                      "--runs-dir", str(tmp_path / "runs"), "--quiet"])
+    assert result.exit_code == 0, result.output
+    assert calls == []
+    data = json.loads((clone / "niah.json").read_text())
+    assert data.get("pending", []) == committed.get("pending", [])
+    assert set(data.get("runs", {})) == set(committed["runs"])
+
+    def nested_path(change: str) -> str:  # 'model.memory_residual: true → false' -> 'model.memory.residual: ...'
+        field, _, rest = change.partition(": ")
+        name = field.removeprefix("model.")
+        return f"model.memory.{FLAT_MEMORY_FIELDS[name]}: {rest}" if name in FLAT_MEMORY_FIELDS else change
+
+    expected = {run_id: [nested_path(c) for c in changes] for run_id, changes in committed.get("stale", {}).items()}
+    assert data.get("stale", {}) == expected
 
 
 def test_a_new_seed_trains_the_new_runs_only_and_the_json_follows_each_run(quick_results, tmp_path, monkeypatch):
@@ -689,9 +746,14 @@ def test_a_heat_map_over_two_model_settings(quick_results, tmp_path):
 
     results_dir, _ = quick_results
     data = json.loads((results_dir / "sine.json").read_text())
-    assert data["heatmap"] == {"x": "memory_init_theta", "y": "memory_init_eta"}
+    assert data["heatmap"] == {"x": "memory.init_theta", "y": "memory.init_eta"}
     xs, ys, cells = heatmap_cells(data)
     assert xs == [0.1, 0.5] and ys == [0.5] and set(cells) == {(0.1, 0.5), (0.5, 0.5)}
+    # records written flat, and axes named flat (as older JSONs have both), give the same map
+    older = {**data, "heatmap": {"x": "memory_init_theta", "y": "memory_init_eta"},
+             "runs": {run_id: {**r, "config": {**r["config"], "model": flat_record(r["config"]["model"])}}
+                      for run_id, r in data["runs"].items()}}
+    assert heatmap_cells(older) == (xs, ys, cells)
     setting = data["panels"][""]["settings"][-1]
     assert cells[(0.5, 0.5)] == data["results"]["const theta0.5 eta0.5"][setting]
     plot(data, tmp_path / "sine.png")
@@ -794,7 +856,7 @@ def test_continual_on_a_fresh_clone_reads_its_json_and_measures_only_changed_mod
     changed, *kept = list(before["runs"])
 
     def earlier_default(data):
-        data["runs"][changed]["config"]["model"]["memory_residual"] = True  # trained before the default changed
+        data["runs"][changed]["config"]["model"]["memory"]["residual"] = True  # trained before the default changed
 
     clone = fresh_clone_of(results_dir, "continual", tmp_path, earlier_default)
     calls = spy_on_train(monkeypatch)
@@ -803,7 +865,7 @@ def test_continual_on_a_fresh_clone_reads_its_json_and_measures_only_changed_mod
     assert len(calls) == 1 and [p.name for p in (tmp_path / "runs" / "lm").iterdir()] == [changed]  # trained here
     for run_id in kept:
         assert after["runs"][run_id] == before["runs"][run_id]
-    assert after["runs"][changed]["config"]["model"]["memory_residual"] is False
+    assert after["runs"][changed]["config"]["model"]["memory"]["residual"] is False
     assert after["results"].keys() == before["results"].keys()
 
     retrained = spy_on_train(monkeypatch)

@@ -11,18 +11,18 @@ import torch
 
 from titans.memory import parallel, parallel_memory, sequential_memory
 
-from .test_functional import flat, make_inputs, max_diff
+from .test_functional import flat, make_inputs, max_diff, paper
 
 UNAVAILABLE = parallel.compile_unavailable("cpu")
 needs_inductor = pytest.mark.skipif(UNAVAILABLE is not None, reason=f"torch.compile cannot run here: {UNAVAILABLE}")
 
-EVERY_SWITCH = dict(max_grad_norm=2.0, max_state_norm=0.6, normalize_chunk=True, hidden_step=0.3)
+EVERY_SWITCH = paper(max_grad_norm=2.0, max_state_norm=0.6, normalize_chunk=True, hidden_step=0.3)
 
 
 @needs_inductor
 @pytest.mark.parametrize(
     "depth, rule, checkpoint_chunks",
-    [(1, {}, None), (2, EVERY_SWITCH, None), (2, EVERY_SWITCH, 2)],
+    [(1, paper(), None), (2, EVERY_SWITCH, None), (2, EVERY_SWITCH, 2)],
     ids=["depth 1, the paper's rule", "depth 2, bounds, normalised chunk, ρ", "the same in recomputation groups"],
 )
 def test_compiled_chunk_step_matches_autograd_and_the_reference(monkeypatch, depth, rule, checkpoint_chunks):
@@ -43,7 +43,7 @@ def test_compiled_chunk_step_matches_autograd_and_the_reference(monkeypatch, dep
                      ("reference", sequential_memory)):
         with monkeypatch.context() as patch:
             patch.setattr(parallel, "_chunk_step", counted_step)
-            y, W, S = fn(*args, chunk_size=4, **rule)
+            y, W, S = fn(*args, rule=rule, chunk_size=4)
         loss = (y**2).sum() + sum((w**3).sum() for w in W) + sum(s.sum() for s in S)
         outs[name] = [y, *W, *S, *torch.autograd.grad(loss, flat(args))]
         if name == "compile":  # only the ragged chunk went through the uncompiled step
@@ -65,4 +65,4 @@ def test_compile_is_served_only_when_asked_for_and_where_it_can_run(monkeypatch)
         assert parallel.serving_implementation("compile", q, theta, alpha, weights) == "compile"
     monkeypatch.setattr(parallel, "compile_unavailable", lambda device: "no C++ compiler in this test")
     with pytest.raises(ValueError, match="implementation='compile' cannot serve this call: no C.. compiler"):
-        parallel_memory(q, k, v, theta, eta, alpha, weights, momentum, implementation="compile")
+        parallel_memory(q, k, v, theta, eta, alpha, weights, momentum, rule=paper(), implementation="compile")

@@ -5,9 +5,14 @@ import itertools
 import pytest
 import torch
 
-from titans.memory import delta_rule_memory, sequential_memory
+from titans.memory import MemoryRule, delta_rule_memory, sequential_memory
 
-from .test_functional import flat, make_inputs, max_diff, with_grad
+from .test_functional import flat, make_inputs, max_diff, paper, with_grad
+
+
+def delta(residual: bool = False) -> MemoryRule:
+    """The rule the exact delta rule computes: per-token gradients, no momentum, no bounds, the squared loss."""
+    return MemoryRule.paper(gradients="token", momentum=False, residual=residual)
 
 
 def delta_inputs(seq=21, seed=0, requires_grad=False):
@@ -19,15 +24,15 @@ def delta_inputs(seq=21, seed=0, requires_grad=False):
 
 def token_by_token(q, k, v, theta, alpha, weights, residual):
     """Chunks of one token: every gradient at the weights the previous token left (η = 0: no momentum)."""
-    y, W, _ = sequential_memory(q, k, v, theta, torch.zeros_like(alpha), alpha, weights, chunk_size=1,
-                                residual=residual)
+    y, W, _ = sequential_memory(q, k, v, theta, torch.zeros_like(alpha), alpha, weights, rule=paper(residual=residual),
+                                chunk_size=1)
     return y, W
 
 
 @pytest.mark.parametrize("chunk_size, residual", list(itertools.product([1, 3, 16, 64], [False, True])))
 def test_equals_the_token_by_token_recurrence(chunk_size, residual):
     args = delta_inputs()  # 21 tokens: ragged last chunk for 3 and 16, one partial chunk for 64
-    y, W = delta_rule_memory(*args, chunk_size=chunk_size, residual=residual)
+    y, W = delta_rule_memory(*args, chunk_size=chunk_size, rule=delta(residual))
     y_ref, W_ref = token_by_token(*args, residual=residual)
     assert max_diff([y, *W], [y_ref, *W_ref]) <= 1e-12
 
@@ -37,7 +42,7 @@ def test_gradients_equal_the_recurrence(residual):
     args = delta_inputs(seq=11, requires_grad=True)
     probe = torch.Generator().manual_seed(2)
     grads = []
-    for fn in (lambda *a: delta_rule_memory(*a, chunk_size=4, residual=residual),
+    for fn in (lambda *a: delta_rule_memory(*a, chunk_size=4, rule=delta(residual)),
                lambda *a: token_by_token(*a, residual=residual)):
         y, W = fn(*args)
         loss = (y * torch.randn(y.shape, generator=probe, dtype=y.dtype)).sum() + (W[0] ** 2).sum()
@@ -83,3 +88,22 @@ def test_bad_input_names_the_argument():
         delta_rule_memory(q, k, v, theta, alpha + 2.0, weights)
     with pytest.raises(ValueError, match="^chunk_size"):
         delta_rule_memory(q, k, v, theta, alpha, weights, chunk_size=0)
+
+
+def test_refuses_a_rule_it_does_not_compute():
+    """The exact delta rule takes its gradients per token; a chunk rule (or one with momentum, bounds or another loss,
+    which `MemoryRule` already refuses with gradients='token') is `parallel_memory`'s, and the message says so."""
+    q, k, v, theta, alpha, weights = delta_inputs(seq=7)
+    with pytest.raises(ValueError, match="gradients='chunk' is parallel_memory's"):
+        delta_rule_memory(q, k, v, theta, alpha, weights, rule=paper())
+    with pytest.raises(ValueError, match=r"gradients='token'.*loss='huber'.*gradients='chunk' serves every rule"):
+        MemoryRule.paper(gradients="token", momentum=False, loss="huber")
+
+
+def test_the_momentum_gain_bound_is_applied_with_no_momentum():
+    """κ bounds θ as everywhere; with η = 0 that is θ_t ≤ κ: the same as the delta rule at θ clipped by hand."""
+    q, k, v, theta, alpha, weights = delta_inputs(seq=21)
+    y, W = delta_rule_memory(q, k, v, theta, alpha, weights, chunk_size=4,
+                             rule=delta().replace(max_momentum_step=0.1))
+    y_ref, W_ref = delta_rule_memory(q, k, v, theta.clamp(max=0.1), alpha, weights, chunk_size=4, rule=delta())
+    assert (theta > 0.1).any() and max_diff([y, *W], [y_ref, *W_ref]) == 0

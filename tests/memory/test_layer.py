@@ -7,7 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from titans.memory import MemoryState, NeuralMemory
+from titans.memory import MemoryRule, MemoryState, NeuralMemory
+from titans.memory.rule import momentum_bound
 
 DT = torch.float64
 
@@ -42,9 +43,21 @@ ABLATIONS = ["linear memory", "no momentum", "no forgetting", "constant gates", 
              "bounded momentum gain"]
 
 
+# NeuralMemory's arguments beside its rule; every other option of the sets above is a field of the rule
+STRUCTURE = ("heads", "depth", "expansion", "chunk_size", "conv_kernel", "checkpoint_chunks", "learned_init",
+             "implementation")
+
+
+def build(dim: int = 16, **options) -> NeuralMemory:
+    """NeuralMemory(dim, structure..., rule=MemoryRule(the other options)): the default rule with the options'
+    changes."""
+    structure = {name: options.pop(name) for name in STRUCTURE if name in options}
+    return NeuralMemory(dim, rule=MemoryRule(**options), **structure)
+
+
 def make_memory(chunk_size=4, **options) -> NeuralMemory:
     torch.manual_seed(0)
-    memory = NeuralMemory(16, heads=2, chunk_size=chunk_size, **options).to(DT)
+    memory = build(16, heads=2, chunk_size=chunk_size, **options).to(DT)
     with torch.no_grad():  # move gates away from their init so every term of the update matters
         if memory.to_gates is not None:
             memory.to_gates.weight.normal_(0, 0.3)
@@ -114,7 +127,7 @@ def test_causality(name):
 def test_chunk_pooling_keeps_gates_constant_within_a_chunk():
     memory = make_memory(chunk_size=4, gate_pooling="chunk")
     logits = torch.randn(1, 2, 10, 3, dtype=DT)
-    theta, eta, alpha = memory._gate_values(logits)
+    theta, eta, alpha, _ = memory._gate_values(logits)
     for gate in (theta, eta, alpha):
         assert torch.equal(gate[..., 0:4], gate[..., :1].expand(-1, -1, 4))
         assert torch.equal(gate[..., 8:10], gate[..., 8:9].expand(-1, -1, 2))
@@ -160,7 +173,7 @@ def test_long_stream_stays_finite_float32():
     """200k random tokens through one state, float32, with the step at its bound (θ ≈ max_lr) and
     almost no forgetting: the default rule keeps the memory finite and inside its ball."""
     torch.manual_seed(0)
-    memory = NeuralMemory(64, heads=2, chunk_size=16, depth=2, expansion=4)
+    memory = build(64, heads=2, chunk_size=16, depth=2, expansion=4)
     with torch.no_grad():
         memory.to_gates.bias.view(3, 2)[0].fill_(4.0)  # θ ≈ 0.98 max_lr
         memory.to_gates.bias.view(3, 2)[1].fill_(0.0)  # η ≈ 0.5
@@ -178,7 +191,7 @@ def test_long_stream_stays_finite_float32():
 
 
 def test_bf16_model_keeps_float32_state():
-    memory = NeuralMemory(16, heads=2, chunk_size=4).to(torch.bfloat16)
+    memory = build(16, heads=2, chunk_size=4).to(torch.bfloat16)
     y, state = memory(torch.randn(1, 9, 16, dtype=torch.bfloat16))
     assert y.dtype == torch.bfloat16
     assert isinstance(state, MemoryState) and all(w.dtype == torch.float32 for w in state.weights + state.momentum)
@@ -208,34 +221,45 @@ def test_bf16_model_keeps_float32_state():
 )
 def test_bad_construction_names_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
-        NeuralMemory(**{"dim": 16, **kwargs})
+        build(**{"dim": 16, **kwargs})
 
 
 def test_init_values_are_the_gates_at_initialisation():
-    memory = NeuralMemory(16, heads=2, max_lr=0.5, init_theta=0.05, init_eta=0.3, init_alpha=3e-4)
+    memory = build(16, heads=2, max_lr=0.5, init_theta=0.05, init_eta=0.3, init_alpha=3e-4)
     with torch.no_grad():
         memory.to_gates.weight.zero_()
         logits = memory.to_gates(torch.randn(1, 5, 16)).unflatten(-1, (3, 2)).permute(0, 3, 1, 2)  # [B, H, T, 3]
-        theta, eta, alpha = memory._gate_values(logits)
+        theta, eta, alpha, _ = memory._gate_values(logits)
     for gate, value in ((theta, 0.05), (eta, 0.3), (alpha, 3e-4)):
         torch.testing.assert_close(gate, torch.full_like(gate, value))
-    assert NeuralMemory(16, max_lr=0.5).to_gates.bias[0].item() == pytest.approx(math.log(0.2 / 0.8))  # 0.2 θ_max
+    assert build(16, max_lr=0.5).to_gates.bias[0].item() == pytest.approx(math.log(0.2 / 0.8))  # 0.2 θ_max
 
 
 @pytest.mark.parametrize("surprise_gate", [False, True])
-def test_bounded_momentum_gain_is_the_smaller_of_the_gate_and_the_bound(surprise_gate):
-    """θ_t under `max_momentum_step` κ is min(θ_t, κ (1 − η_t)): the free gate where it is below the bound (the paper's
-    rule there), the bound where both gates are high; η and α untouched."""
-    free = make_memory(surprise_gate=surprise_gate, max_momentum_step=None)
-    bounded = make_memory(surprise_gate=surprise_gate, max_momentum_step=0.2)
-    logits = torch.randn(2, 2, 9, 3, dtype=DT, generator=torch.Generator().manual_seed(5)) * 3
-    (theta, eta, alpha), (theta_b, eta_b, alpha_b) = free._gate_values(logits), bounded._gate_values(logits)
-    assert torch.equal(eta_b, eta) and torch.equal(alpha_b, alpha)
-    if surprise_gate:
-        surprise = torch.rand(2, 2, 4, dtype=DT)
-        theta, theta_b, eta = theta(surprise, 3, 7), theta_b(surprise, 3, 7), eta[:, :, 3:7]
-    torch.testing.assert_close(theta_b, torch.minimum(theta, 0.2 * (1 - eta)), rtol=0, atol=0)
-    assert (theta_b < theta).any() and (theta_b == theta).any()
+def test_the_layer_leaves_the_momentum_gain_bound_to_the_core(surprise_gate, monkeypatch):
+    """The layer hands the functional core its gates as they are, and the core bounds θ by κ (once, as every
+    implementation and the reference do): the layer under κ = 0.2 gives what the core gives under the paper's free
+    gates for θ bounded by hand, min(θ_t, κ (1 − η_t)), which binds on some tokens here."""
+    from titans.memory import layer
+
+    memory = make_memory(surprise_gate=surprise_gate, max_momentum_step=0.2)
+    x = torch.randn(2, 11, 16, dtype=DT, generator=torch.Generator().manual_seed(5)) * 3
+    y, _ = memory(x)
+    calls, original = [], layer.parallel_memory
+
+    def free_gates_bounded_by_hand(q, k, v, theta, eta, alpha, *args, rule, **kwargs):
+        if callable(theta):
+            bound, gate = 0.2 * (1 - eta), theta
+            theta = lambda s, a, b: torch.minimum(gate(s, a, b), bound[:, :, a:b])  # noqa: E731
+        else:
+            calls.append(bool((theta > 0.2 * (1 - eta)).any()))
+            theta = torch.minimum(theta, 0.2 * (1 - eta))
+        return original(q, k, v, theta, eta, alpha, *args, rule=rule.replace(max_momentum_step=None), **kwargs)
+
+    monkeypatch.setattr(layer, "parallel_memory", free_gates_bounded_by_hand)
+    y_by_hand, _ = memory(x)
+    assert torch.equal(y, y_by_hand)
+    assert surprise_gate or any(calls)  # the bound had work to do
 
 
 def test_the_momentum_gain_is_bounded_at_one_by_default_and_only_where_the_gates_are_learned():
@@ -243,12 +267,12 @@ def test_the_momentum_gain_is_bounded_at_one_by_default_and_only_where_the_gates
     θ = 0.5 with η = 0.9 included (a gain of 5), and the bound does not touch them."""
     from titans.models import TitansConfig
 
-    assert NeuralMemory(16).max_momentum_step == TitansConfig().memory_max_momentum_step == 1.0
+    assert NeuralMemory(16).rule.max_momentum_step == TitansConfig().memory.max_momentum_step == 1.0
     options = {"gates": "constant", "init_theta": 0.5, "init_eta": 0.9}
     constant, bounded = make_memory(**options, max_momentum_step=None), make_memory(**options, max_momentum_step=0.05)
-    assert bounded.max_momentum_step is None
     logits = bounded._gate_logits(torch.randn(1, 7, 16, dtype=DT)).unflatten(-1, (3, 2)).permute(0, 3, 1, 2)
-    theta, eta, _ = bounded._gate_values(logits)
+    theta, eta, _, _ = bounded._gate_values(logits)
+    assert momentum_bound(bounded.rule, eta) is None
     torch.testing.assert_close(theta, torch.full_like(theta, 0.5))
     torch.testing.assert_close(eta, torch.full_like(eta, 0.9))
     x = torch.randn(2, 11, 16, dtype=DT)
@@ -261,7 +285,7 @@ def test_the_bound_counts_the_learned_thetas_it_lowers_in_training_only():
     bounded, free = make_memory(max_momentum_step=0.2), make_memory(max_momentum_step=None)
     x = torch.randn(2, 11, 16, dtype=DT, generator=torch.Generator().manual_seed(3)) * 3
     logits = free._gate_logits(x).unflatten(-1, (3, 2)).permute(0, 3, 1, 2)  # [B, H, T, 3]
-    theta, eta, _ = free._gate_values(logits)
+    theta, eta, _, _ = free._gate_values(logits)
     expected = int((theta > 0.2 * (1 - eta)).sum())
     assert 0 < expected < theta.numel()
     bounded(x)
@@ -328,7 +352,7 @@ def test_token_gradients_do_not_depend_on_the_chunk_size():
 def test_token_gradients_need_the_delta_rule_configuration(kwargs):
     options = {**OPTION_SETS["gated deltanet"], **kwargs}
     with pytest.raises(ValueError, match="gradients"):
-        NeuralMemory(16, heads=2, **options)
+        build(16, heads=2, **options)
 
 
 def test_a_state_of_another_dtype_is_refused():
@@ -388,19 +412,19 @@ def test_ablation_switches_equal_the_token_by_token_rule(name, monkeypatch):
         if name == "constant gates":
             for gate, value in ((theta, 0.5), (eta, 0.9), (alpha, 1e-3)):
                 torch.testing.assert_close(gate, torch.full_like(gate, value), rtol=1e-12, atol=0)
-        if name == "bounded momentum gain":  # θ_t ≤ κ (1 − η_t), binding on some tokens
-            assert (theta <= 0.2 * (1 - eta) + 1e-15).all() and torch.isclose(theta, 0.2 * (1 - eta)).any()
+        if name == "bounded momentum gain":  # the free θ_t, which the rule (the reference's here) bounds on some tokens
+            assert (theta > 0.2 * (1 - eta)).any()
         if name == "channel-wise forgetting":  # one α per output column of each layer, each its own
             assert [a.shape[-1] for a in alpha] == [w.shape[-1] for w in weights] == [32, 8]
             assert all(a.std(-1).min() > 0 for a in alpha)
         if name == "linear memory":  # M(k) = k W: one layer, and no residual (W = 0 reads 0)
             assert len(weights) == 1
-            assert layer.memory_apply(x.new_ones(1, 1, 1, 8), (torch.zeros(1, 1, 8, 8, dtype=DT),), "gelu",
-                                      memory.residual).abs().max() == 0
+            assert layer.memory_apply(x.new_ones(1, 1, 1, 8), (torch.zeros(1, 1, 8, 8, dtype=DT),),
+                                      memory.rule).abs().max() == 0
 
 
 def test_constant_gates_are_not_parameters():
-    data, constant = NeuralMemory(16, heads=2), NeuralMemory(16, heads=2, gates="constant")
+    data, constant = build(16, heads=2), build(16, heads=2, gates="constant")
     names = {name for name, _ in constant.named_parameters()}
     assert not any(name.startswith("to_gates") for name in names)
     assert sum(p.numel() for p in data.parameters()) - sum(p.numel() for p in constant.parameters()) == 16 * 6 + 6
@@ -413,18 +437,18 @@ def test_constant_gates_are_not_parameters():
 def test_channel_wise_forgetting_gates():
     """α per output column of every layer: the gate projection grows by one output per column, every α starts at
     init_alpha, and the exact delta rule (one α per token) refuses it."""
-    scalar, channels = NeuralMemory(16, heads=2), NeuralMemory(16, heads=2, forgetting_channels=True)
+    scalar, channels = build(16, heads=2), build(16, heads=2, forgetting_channels=True)
     assert channels.to_gates.out_features == 2 * (2 + 32 + 8) and scalar.to_gates.out_features == 2 * 3
-    _, _, alpha = channels._gate_values(channels.to_gates.bias.view(-1, 2).T[None, :, None].double())
+    _, _, alpha, _ = channels._gate_values(channels.to_gates.bias.view(-1, 2).T[None, :, None].double())
     assert [tuple(a.shape) for a in alpha] == [(1, 2, 1, 32), (1, 2, 1, 8)]
     assert all(torch.allclose(a, torch.full_like(a, 1e-5)) for a in alpha)
     with pytest.raises(ValueError, match="forgetting_channels=False"):
-        NeuralMemory(16, depth=1, momentum=False, residual=False, gradients="token", max_grad_norm=None,
+        build(16, depth=1, momentum=False, residual=False, gradients="token", max_grad_norm=None,
                      max_state_norm=None, normalize_chunk=False, forgetting_channels=True)
 
 
 def test_constant_gates_refuse_the_surprise_gate():
     with pytest.raises(ValueError, match="constant"):
-        NeuralMemory(16, gates="constant", surprise_gate=True)
+        build(16, gates="constant", surprise_gate=True)
     with pytest.raises(ValueError, match="gates"):
-        NeuralMemory(16, gates="learned")
+        build(16, gates="learned")

@@ -14,7 +14,7 @@ import torch
 
 from titans.memory import fused, parallel_memory, state_ops
 
-from .test_functional import flat, make_inputs
+from .test_functional import flat, make_inputs, paper
 from .test_fused import outputs_and_grads
 
 pytestmark = pytest.mark.skipif(state_ops.kernels() is None,
@@ -62,8 +62,9 @@ def assert_close(native, python, tol):
 def test_native_loop_equals_python_loop_float64(monkeypatch, threads, depth, activation, residual, max_grad_norm):
     threads(2)
     args = make_inputs(batch=2, heads=2, seq=21, depth=depth, requires_grad=True)  # 4 rows: two slices of two
-    native, python = both_loops(monkeypatch, args, chunk_size=4, activation=activation, residual=residual,
-                                max_grad_norm=max_grad_norm, max_state_norm=None if max_grad_norm is None else 0.7)
+    rule = paper(activation=activation, residual=residual, max_grad_norm=max_grad_norm,
+                 max_state_norm=None if max_grad_norm is None else 0.7)
+    native, python = both_loops(monkeypatch, args, rule=rule, chunk_size=4)
     assert_close(native, python, 1e-12)
 
 
@@ -72,7 +73,8 @@ def test_native_loop_with_the_normalized_chunk_step(monkeypatch, threads, depth,
     threads(2)
     args = make_inputs(batch=2, heads=2, seq=21, depth=depth, requires_grad=True)
     rule = dict(max_grad_norm=0.5, max_state_norm=0.7) if bounded else {}
-    native, python = both_loops(monkeypatch, args, chunk_size=4, normalize_chunk=True, checkpoint_chunks=group, **rule)
+    native, python = both_loops(monkeypatch, args, rule=paper(normalize_chunk=True, **rule), chunk_size=4,
+                                checkpoint_chunks=group)
     assert_close(native, python, 1e-12)
 
 
@@ -83,8 +85,8 @@ def test_native_loop_with_the_hidden_layer_step(monkeypatch, threads, depth, hid
     threads(2)
     args = make_inputs(batch=2, heads=2, seq=21, depth=depth, requires_grad=True)
     rule = dict(max_grad_norm=0.5, max_state_norm=0.7, normalize_chunk=True) if bounded else {}
-    native, python = both_loops(monkeypatch, args, chunk_size=4, hidden_step=hidden_step, checkpoint_chunks=group,
-                                **rule)
+    native, python = both_loops(monkeypatch, args, rule=paper(hidden_step=hidden_step, **rule), chunk_size=4,
+                                checkpoint_chunks=group)
     assert_close(native, python, 1e-12)
 
 
@@ -95,7 +97,8 @@ def test_slicings_groups_and_ragged_tails(monkeypatch, threads, rows, num_thread
     sequence shorter than a chunk."""
     threads(num_threads)
     args = make_inputs(batch=rows, heads=1, seq=seq, requires_grad=True)
-    native, python = both_loops(monkeypatch, args, chunk_size=chunk_size, checkpoint_chunks=group, max_state_norm=0.7)
+    native, python = both_loops(monkeypatch, args, rule=paper(max_state_norm=0.7), chunk_size=chunk_size,
+                                checkpoint_chunks=group)
     assert_close(native, python, 1e-12)
 
 
@@ -105,7 +108,7 @@ def test_native_loop_with_kernels_float32(monkeypatch, threads):
     args = make_inputs(batch=2, heads=2, seq=40, dim=16, hidden=64, requires_grad=False)
     args = [tuple(t.float().requires_grad_() for t in a) if isinstance(a, tuple) else a.float().requires_grad_()
             for a in args]
-    native, python = both_loops(monkeypatch, args, chunk_size=16, max_grad_norm=1.0)
+    native, python = both_loops(monkeypatch, args, rule=paper(max_grad_norm=1.0), chunk_size=16)
     assert_close(native, python, 2e-5)
 
 
@@ -115,9 +118,9 @@ def test_native_loop_without_recording(threads, mode):
     inference mode."""
     threads(2)
     args = make_inputs(batch=2, heads=2, seq=21)
-    expected = parallel_memory(*args, chunk_size=4, implementation="autograd")
+    expected = parallel_memory(*args, rule=paper(), chunk_size=4, implementation="autograd")
     with torch.no_grad() if mode == "no_grad" else torch.inference_mode():
-        got = parallel_memory(*args, chunk_size=4)
+        got = parallel_memory(*args, rule=paper(), chunk_size=4)
     for a, b in zip(flat(list(got)), flat(list(expected))):
         assert (a - b).abs().max().item() <= 1e-12
 

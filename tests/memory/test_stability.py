@@ -15,14 +15,14 @@ from hypothesis import strategies as st
 
 from titans import TitansConfig
 from titans.bench.stability import RULES, WORST_GATE_LOGITS
-from titans.memory import NeuralMemory
+from titans.memory import MemoryRule, NeuralMemory
 
 DIM, HEADS = 16, 2
 
 
-def memory_for(depth, activation, momentum, chunk_size, worst, **rule):
-    memory = NeuralMemory(DIM, heads=HEADS, depth=depth, activation=activation, momentum=momentum,
-                          chunk_size=chunk_size, **rule)
+def memory_for(depth, activation, momentum, chunk_size, worst, rule=RULES["ours"]):
+    memory = NeuralMemory(DIM, heads=HEADS, depth=depth, chunk_size=chunk_size,
+                          rule=rule.replace(activation=activation, momentum=momentum))
     if worst:
         with torch.no_grad():
             for row, value in zip(memory.to_gates.bias.view(3, HEADS), WORST_GATE_LOGITS):
@@ -34,7 +34,7 @@ def assert_bounded(memory, state):
     for t in (*state.weights, *state.momentum):
         assert torch.isfinite(t).all()
         norm = torch.linalg.vector_norm(t, dim=(-2, -1))
-        assert (norm <= memory.max_state_norm * math.sqrt(t.shape[-1]) * (1 + 1e-5)).all(), norm.max()
+        assert (norm <= memory.rule.max_state_norm * math.sqrt(t.shape[-1]) * (1 + 1e-5)).all(), norm.max()
 
 
 scales = st.integers(-3, 3).flatmap(lambda e: st.floats(0.5, 2.0).map(lambda m: m * 10.0**e))
@@ -89,16 +89,16 @@ def test_the_paper_rule_runs_away_where_the_default_does_not(scale):
     torch.manual_seed(0)
     x = torch.randn(1, 512, DIM) * scale
     with torch.no_grad():
-        paper, _ = memory_for(2, "gelu", True, 16, worst=True, **RULES["paper"])(x)
+        paper, _ = memory_for(2, "gelu", True, 16, worst=True, rule=RULES["paper"])(x)
         ours, state = memory_for(2, "gelu", True, 16, worst=True)(x)
     assert not torch.isfinite(paper).all()
     assert torch.isfinite(ours).all()
 
 
 def test_the_default_rule_is_on_by_default():
-    memory = NeuralMemory(DIM, heads=HEADS)
-    assert memory.normalize_inputs and memory.max_grad_norm is not None and memory.max_state_norm is not None
-    assert memory.normalize_chunk
-    config = TitansConfig(variant="lmm")
-    assert config.memory_normalize_inputs and config.memory_normalize_chunk
-    assert config.memory_max_grad_norm is not None and config.memory_max_state_norm is not None
+    for rule in (NeuralMemory(DIM, heads=HEADS).rule, TitansConfig(variant="lmm").memory.rule):
+        assert rule.normalize_inputs and rule.max_grad_norm is not None and rule.max_state_norm is not None
+        assert rule.normalize_chunk and rule.max_momentum_step is not None and rule.loss.name == "squared"
+    paper = MemoryRule.paper()
+    assert not paper.normalize_inputs and not paper.normalize_chunk
+    assert paper.max_grad_norm is None and paper.max_state_norm is None and paper.max_momentum_step is None

@@ -4,7 +4,7 @@ the scan without. The kernels are float32; the references are held to float64 pr
 import pytest
 import torch
 
-from titans.memory import parallel_memory, state_ops
+from titans.memory import MemoryRule, parallel_memory, state_ops
 
 needs_kernels = pytest.mark.skipif(state_ops.state_kernels() is None,
                                    reason="state kernels unavailable here (no AVX-512 or no C++ compiler)")
@@ -213,7 +213,8 @@ def _scan(monkeypatch, with_kernels: bool, seq: int, chunk_size: int):
     theta = (0.1 * torch.rand(B, H, seq)).requires_grad_()
     eta, alpha = torch.rand(B, H, seq).requires_grad_(), (0.05 * torch.rand(B, H, seq)).requires_grad_()
     weights = tuple((0.2 * torch.randn(B, H, a, b)).requires_grad_() for a, b in [(d, hidden), (hidden, d)])
-    y, new_w, new_m = parallel_memory(q, k, v, theta, eta, alpha, weights, chunk_size=chunk_size)
+    y, new_w, new_m = parallel_memory(q, k, v, theta, eta, alpha, weights, rule=MemoryRule.paper(),
+                                      chunk_size=chunk_size)
     loss = y.pow(2).sum() + sum((w * torch.cos(w)).sum() for w in (*new_w, *new_m))
     loss.backward()
     inputs = (q, k, v, theta, eta, alpha, *weights)

@@ -11,7 +11,7 @@ from titans.memory.decays import chunk_decays, last_row_decays
 from titans.memory.mlp import backward_deltas, chunk_step_norm, forward_cached, last_step_norm
 from titans.memory.step import memory_token_step
 
-from .test_functional import make_inputs, max_diff
+from .test_functional import make_inputs, max_diff, paper
 from .test_layer import OPTION_SETS, make_memory, run_in_pieces
 
 RULES = {
@@ -38,8 +38,8 @@ def test_last_row_decays_are_the_last_rows_of_the_chunk_decays(dtype, tolerance)
 def test_last_step_norm_is_the_last_row_of_the_chunk_step_norm():
     _, k, v, _, _, _, weights, _ = make_inputs(seq=7, depth=2)
     for n in range(1, 8):
-        out, inputs, preacts = forward_cached(k[:, :, :n], weights, "gelu", True)
-        deltas = backward_deltas(out, v[:, :, :n], weights, preacts, "gelu")
+        out, inputs, preacts = forward_cached(k[:, :, :n], weights, paper(residual=True))
+        deltas = backward_deltas(out, v[:, :, :n], weights, preacts, paper(residual=True))
         assert (last_step_norm(inputs, deltas) - chunk_step_norm(inputs, deltas)[..., -1, :]).abs().max() <= 1e-15
 
 
@@ -49,11 +49,11 @@ def test_token_step_equals_the_chunk_path_at_every_token(rule, depth, residual):
     whose last token is t), and at t = 5 so does the state after the chunk (bounded where the rule bounds it)."""
     q, k, v, theta, eta, alpha, weights, momentum = make_inputs(seq=5, depth=depth, seed=depth)
     theta = 4 * theta  # steps large enough that the chunk's tokens move the memory well beyond round-off
-    options = dict(activation="silu" if depth == 3 else "gelu", residual=residual, **RULES[rule])
+    rule = paper(activation="silu" if depth == 3 else "gelu", residual=residual, **RULES[rule])
     for t in range(1, 6):
         chunk = [x[:, :, :t] for x in (k, v, theta, eta, alpha)]
-        y, W, S = memory_token_step(q[:, :, t - 1 : t], *chunk, weights, momentum, chunk_end=t == 5, **options)
-        y_ref, W_ref, S_ref = parallel_memory(q[:, :, :t], *chunk, weights, momentum, chunk_size=5, **options)
+        y, W, S = memory_token_step(q[:, :, t - 1 : t], *chunk, weights, momentum, t == 5, rule)
+        y_ref, W_ref, S_ref = parallel_memory(q[:, :, :t], *chunk, weights, momentum, rule=rule, chunk_size=5)
         assert (y - y_ref[:, :, -1:]).abs().max() <= 1e-13
         if t < 5:  # mid-chunk the state stays where the chunk started
             assert all(a is b for a, b in zip(W + S, weights + momentum))
@@ -68,8 +68,9 @@ def test_token_step_takes_the_surprise_gate_at_the_chunk_start_weights():
     def surprise_theta(surprise, start, end):
         return 0.5 * torch.sigmoid(theta[:, :, start:end] - 0.7 * torch.log1p(surprise))
 
-    y, W, S = memory_token_step(q[:, :, -1:], k, v, surprise_theta, eta, alpha, weights, momentum, chunk_end=True)
-    y_ref, W_ref, S_ref = parallel_memory(q, k, v, surprise_theta, eta, alpha, weights, momentum, chunk_size=4)
+    y, W, S = memory_token_step(q[:, :, -1:], k, v, surprise_theta, eta, alpha, weights, momentum, True, paper())
+    y_ref, W_ref, S_ref = parallel_memory(q, k, v, surprise_theta, eta, alpha, weights, momentum, rule=paper(),
+                                          chunk_size=4)
     assert max_diff([y, *W, *S], [y_ref[:, :, -1:], *W_ref, *S_ref]) <= 1e-13
 
 

@@ -25,10 +25,12 @@ pytest.importorskip("triton", reason="triton is not installed (pip install -c co
 
 import triton  # noqa: E402
 
-from titans.memory import parallel_memory, sequential_memory, triton_chunk  # noqa: E402
+from titans.memory import MemoryRule, parallel_memory, sequential_memory, triton_chunk  # noqa: E402
 from titans.memory.parallel import serving_implementation  # noqa: E402
 
-from .test_functional import flat, make_inputs, max_diff, with_grad  # noqa: E402
+from .test_functional import flat, make_inputs, max_diff, paper, with_grad  # noqa: E402
+from .test_losses import CASES as LOSS_CASES  # noqa: E402
+from .test_losses import IDS as LOSS_IDS  # noqa: E402
 
 DEVICE = "cpu" if triton_chunk.INTERPRET else "cuda"
 if DEVICE == "cuda" and not torch.cuda.is_available():
@@ -45,19 +47,22 @@ def on_device(args, dtype=None):
     return [tuple(move(t) for t in a) if isinstance(a, tuple) else move(a) for a in args]
 
 
-def outputs_and_grads(args, implementation, used=("y", "W", "S"), **kwargs):
-    """The outputs, and the gradients of every input of a random linear loss of the outputs named in `used`;
-    implementation None: the token-by-token reference."""
+def outputs_and_grads(args, implementation, used=("y", "W", "S"), gate=None, **kwargs):
+    """The outputs, and the gradients of every input (the loss's `gate` too, where given) of a random linear loss of
+    the outputs named in `used`; implementation None: the token-by-token reference. The keyword arguments that are
+    fields of the rule change the paper's rule (`MemoryRule.paper`); the others go to the call."""
+    kwargs["rule"] = paper(**{name: kwargs.pop(name) for name in list(kwargs) if name in MemoryRule.model_fields})
     if implementation is None:
-        y, W, S = sequential_memory(*args, **kwargs)
+        y, W, S = sequential_memory(*args, loss_gate=gate, **kwargs)
     else:
-        y, W, S = parallel_memory(*args, implementation=implementation, **kwargs)
+        y, W, S = parallel_memory(*args, implementation=implementation, loss_gate=gate, **kwargs)
     outs = {"y": [y], "W": list(W), "S": list(S)}
     g = torch.Generator().manual_seed(1)
     loss = sum((o * torch.randn(o.shape, generator=g, dtype=torch.float64).to(o.device, o.dtype)).sum()
                for name in used for o in outs[name])
-    grads = torch.autograd.grad(loss, flat(args), allow_unused=True)
-    return [y, *W, *S], [torch.zeros_like(x) if d is None else d for d, x in zip(grads, flat(args))]
+    inputs = flat(args) + ([gate] if gate is not None else [])
+    grads = torch.autograd.grad(loss, inputs, allow_unused=True)
+    return [y, *W, *S], [torch.zeros_like(x) if d is None else d for d, x in zip(grads, inputs)]
 
 
 def with_value_width(args, width):
@@ -108,9 +113,28 @@ def test_triton_matches_the_reference_in_float64(case):
     assert max_diff(got[0], ref[0]) <= 1e-10
     assert max_diff(got[1], ref[1]) <= 1e-10
     if "max_grad_norm" in kwargs:  # the bounds must be active for the case to cover their backward pass
-        unbounded = parallel_memory(*args, chunk_size=chunk, implementation="autograd",
-                                    activation=kwargs.get("activation", "gelu"))[0]
+        unbounded = parallel_memory(*args, rule=paper(activation=kwargs.get("activation", "gelu")), chunk_size=chunk,
+                                    implementation="autograd")[0]
         assert (unbounded - got[0][0]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("loss", [c for c in LOSS_CASES if c.name != "squared"],
+                         ids=[i for i, c in zip(LOSS_IDS, LOSS_CASES) if c.name != "squared"])
+def test_the_inner_losses_match_the_reference_in_float64(loss):
+    """Every loss of `losses.py` but the squared one (the cases above) through the kernels: the examples of
+    tests/memory/test_losses.py, a gated Huber among them. Values, end state and the gradients of every input, the
+    loss's gate included, as the token-by-token reference computes them from the loss's value; with the bounds and
+    the normalised chunk step, and a ragged last chunk."""
+    args = with_grad(on_device(inputs(11, 2)))
+    gate = None
+    if loss.has_gate:
+        gate = (0.1 + 0.4 * torch.rand(args[3].shape, generator=torch.Generator().manual_seed(3),
+                                       dtype=torch.float64)).to(DEVICE).requires_grad_()
+    kwargs = dict(chunk_size=4, loss=loss, normalize_chunk=True, **BOUNDS)
+    got = outputs_and_grads(args, "triton", gate=gate, **kwargs)
+    ref = outputs_and_grads(args, None, gate=gate, **kwargs)
+    assert max_diff(got[0], ref[0]) <= 1e-10
+    assert max_diff(got[1], ref[1]) <= 1e-10
 
 
 def test_a_chunk_of_64_tokens():
@@ -175,14 +199,14 @@ def test_half_precision_queries_keys_values_with_a_float32_state(dtype):
 def test_no_grad_forward_matches_the_recorded_one():
     args = on_device(inputs(11, 2))
     with torch.no_grad():
-        quiet = parallel_memory(*args, chunk_size=4, max_state_norm=0.7, implementation="triton")
-    recorded = parallel_memory(*with_grad(args), chunk_size=4, max_state_norm=0.7, implementation="triton")
+        quiet = parallel_memory(*args, rule=paper(max_state_norm=0.7), chunk_size=4, implementation="triton")
+    recorded = parallel_memory(*with_grad(args), rule=paper(max_state_norm=0.7), chunk_size=4, implementation="triton")
     assert max_diff([quiet[0], *quiet[1], *quiet[2]], [recorded[0], *recorded[1], *recorded[2]]) == 0.0
 
 
 def test_double_backward_is_refused_even_for_a_loss_linear_in_y():
     args = with_grad(on_device(inputs(5, 1)))
-    y = parallel_memory(*args, chunk_size=4, implementation="triton")[0]
+    y = parallel_memory(*args, rule=paper(), chunk_size=4, implementation="triton")[0]
     with pytest.raises(RuntimeError, match="implementation='autograd'"):
         torch.autograd.grad((y * 2.0).sum(), args[3], create_graph=True)
 

@@ -8,11 +8,12 @@ import torch
 from torch import nn
 
 from titans import TitansConfig, TitansLM
+from titans.experiments.spec import model_field
 from titans.layers import states_trusted, trusted_states
 from titans.layers.attention import reference_window_attention
 from titans.memory import NeuralMemory
 from titans.models import VARIANTS, load_state, sample_next, save_state
-from titans.models.config import UNREAD_FIELDS, unread_fields
+from titans.models.config import FLAT_MEMORY_FIELDS, UNREAD_FIELDS, unread_fields
 from titans.models.state_io import _flatten
 from titans.train.config import OptimConfig
 from titans.train.loop import make_optimizer
@@ -227,12 +228,14 @@ def test_parameter_counts_are_matched(config):
 
 def test_baseline_memories_are_configs_of_the_same_layer():
     gdn = tiny_model("gated_deltanet").backbone.blocks[0].mixer
-    assert (gdn.depth, gdn.use_momentum, gdn.residual, gdn.gradients) == (1, False, False, "token")
+    assert (gdn.depth, gdn.rule.momentum, gdn.rule.residual, gdn.rule.gradients) == (1, False, False, "token")
+    # its own rule: the exact delta rule takes the squared loss whatever the config's memory says
+    assert tiny_model("gated_deltanet", memory={"loss": "huber"}).backbone.blocks[0].mixer.rule.loss.name == "squared"
     x = tokens(2, 15)
     logits = [tiny_model("gated_deltanet", chunk_size=c)(x)[0] for c in (1, 4, 16)]
     assert max((other - logits[0]).abs().max().item() for other in logits[1:]) <= 1e-12  # the exact delta rule
     gated = tiny_model("lmm", surprise_gate=True).backbone.blocks[0].mixer
-    assert gated.surprise_gate and gated.surprise_weight is not None
+    assert gated.rule.surprise_gate and gated.surprise_weight is not None
 
 
 ABLATION_SWITCHES = dict(memory_depth=1, memory_residual=True, momentum=False, memory_forgetting=False,
@@ -247,13 +250,16 @@ def test_ablation_switches_reach_every_titans_memory(name):
     memories = [m for m in model.modules() if isinstance(m, NeuralMemory)]
     assert len(memories) == 2
     for memory in memories:
-        assert (memory.depth, memory.residual, memory.use_momentum, memory.forgetting, memory.gates,
-                memory.forgetting_channels) == (1, True, False, False, "constant", True)
+        rule = memory.rule
+        assert (memory.depth, rule.residual, rule.momentum, rule.forgetting, rule.gates,
+                rule.forgetting_channels) == (1, True, False, False, "constant", True)
         assert memory.to_gates is None
     gdn = tiny_model("gated_deltanet", **ABLATION_SWITCHES).backbone.blocks[0].mixer
-    assert (gdn.forgetting, gdn.gates, gdn.forgetting_channels) == (True, "data", False)
+    assert (gdn.rule.forgetting, gdn.rule.gates, gdn.rule.forgetting_channels) == (True, "data", False)
     stepped = tiny_model(name, memory_hidden_step=0.25)
-    assert {m.hidden_step for m in stepped.modules() if isinstance(m, NeuralMemory)} == {0.25}
+    assert {m.rule.hidden_step for m in stepped.modules() if isinstance(m, NeuralMemory)} == {0.25}
+    huber = tiny_model(name, memory={"loss": {"name": "huber", "delta": 0.2, "gated": True}})
+    assert {m.rule.loss.delta for m in huber.modules() if isinstance(m, NeuralMemory)} == {0.2}
 
 
 @pytest.mark.parametrize("name", ["lmm", "mac", "mag", "mal", "gated_deltanet"])
@@ -276,8 +282,8 @@ def test_a_memory_whose_initial_weights_are_not_learned(name):
 
 def test_the_memory_is_the_papers_mlp_by_default():
     """M(k) = W_2 σ(k W_1), no residual k + (DESIGN.md §1), in the config and in the layer alike."""
-    assert TitansConfig().memory_residual is False and NeuralMemory(16).residual is False
-    assert {m.residual for m in tiny_model("lmm").modules() if isinstance(m, NeuralMemory)} == {False}
+    assert TitansConfig().memory.residual is False and NeuralMemory(16).rule.residual is False
+    assert {m.rule.residual for m in tiny_model("lmm").modules() if isinstance(m, NeuralMemory)} == {False}
 
 
 @pytest.mark.parametrize("variant, options", [*((v, {}) for v in sorted(UNREAD_FIELDS)),
@@ -287,9 +293,11 @@ def test_a_field_a_model_does_not_read_changes_nothing(variant, options):
     """`unread_fields`, which lets the experiment runner read one model's runs back across them, is true: flipping
     such a field builds the same weights and the same outputs."""
     x = tokens(2, 13)
-    other = {"memory_max_momentum_step": 0.05}  # the non-boolean fields: a value that binds
+    other = {"memory.max_momentum_step": 0.05}  # the non-boolean fields: a value that binds
     for field in unread_fields(TitansConfig(variant=variant, **TINY, **options)):
-        flipped = tiny_model(variant, **options, **{field: other.get(field, not getattr(TitansConfig(**TINY), field))})
+        value = other.get(field, not model_field(TitansConfig(**TINY).to_dict(), field))
+        section, _, name = field.rpartition(".")
+        flipped = tiny_model(variant, **options, **({section: {name: value}} if section else {name: value}))
         same = tiny_model(variant, **options)
         assert flipped.state_dict().keys() == same.state_dict().keys()
         assert all(torch.equal(v, same.state_dict()[k]) for k, v in flipped.state_dict().items())
@@ -299,17 +307,24 @@ def test_a_field_a_model_does_not_read_changes_nothing(variant, options):
 def test_a_saved_model_from_before_a_default_changed_loads_as_it_was_trained(tmp_path):
     """A config.json written before `memory_residual` and `memory_max_momentum_step` existed lacks them: its model
     had the residual and the free gates (the defaults then), so it loads with them, not with today's defaults
-    (EARLIER_DEFAULTS)."""
+    (EARLIER_DEFAULTS). Such a file is format version 1, its memory's fields flat; a version-2 file holds every field
+    in the memory section, and nothing earlier is filled into it."""
     model = tiny_model("lmm", memory_residual=True, memory_max_momentum_step=None)
     model.save_pretrained(tmp_path / "m")
     path = tmp_path / "m" / "config.json"
     data = json.loads(path.read_text())
-    del data["titans"]["memory_residual"], data["titans"]["memory_max_momentum_step"]
-    path.write_text(json.dumps(data))
+    assert data["titans_format_version"] == 2 and data["titans"]["memory"]["residual"] is True
+    memory = data["titans"].pop("memory")  # written as version 1 would have: flat, without the two fields
+    flat = {old: memory[new] for old, new in FLAT_MEMORY_FIELDS.items() if old not in
+            ("memory_residual", "memory_max_momentum_step")}
+    path.write_text(json.dumps({**data, "titans_format_version": 1, "titans": {**data["titans"], **flat}}))
     again = TitansLM.from_pretrained(tmp_path / "m")
     x = tokens(1, 12)
-    assert again.config.memory_residual is True and again.config.memory_max_momentum_step is None
-    assert torch.equal(again(x)[0], model(x)[0])
+    assert again.config.memory.residual is True and again.config.memory.max_momentum_step is None
+    assert again.config == model.config and torch.equal(again(x)[0], model(x)[0])
+    current = tiny_model("lmm")  # version 2, today's defaults (no residual, κ = 1): read as written
+    current.save_pretrained(tmp_path / "v2")
+    assert TitansLM.from_pretrained(tmp_path / "v2").config == current.config
 
 
 def test_save_and_load_pretrained(tmp_path):
@@ -396,17 +411,21 @@ def test_a_failed_save_leaves_the_previous_model_whole(tmp_path, monkeypatch):
         ({"window": 0}, "window"),
         ({"dim": 30, "heads": 4}, "dim"),
         ({"segment_len": 0}, "segment_len"),
-        ({"chunk_size": 0}, "chunk_size"),
-        ({"max_lr": -1.0}, "max_lr"),
+        ({"chunk_size": 0}, r"memory\.chunk_size"),
+        ({"max_lr": -1.0}, r"memory\.max_lr"),
         ({"dropout": 1.5}, "dropout"),
         ({"n_persistent": -1}, "n_persistent"),
-        ({"memory_heads": 3}, "memory_heads"),
-        ({"memory_activation": "relu"}, "memory_activation"),
-        ({"memory_init_alpha": 1.0}, "memory_init_alpha"),
-        ({"memory_max_grad_norm": -1.0}, "memory_max_grad_norm"),
-        ({"memory_gates": "learned"}, "memory_gates"),
-        ({"memory_hidden_step": 1.5}, "memory_hidden_step"),
-        ({"memory_gates": "constant", "surprise_gate": True}, "memory_gates"),
+        ({"memory_heads": 3}, r"memory\.heads \(3\) must divide dim"),  # a flat name reads into the section
+        ({"memory_activation": "relu"}, r"memory\.activation"),
+        ({"memory_init_alpha": 1.0}, r"memory\.init_alpha"),
+        ({"memory_max_grad_norm": -1.0}, r"memory\.max_grad_norm"),
+        ({"memory_gates": "learned"}, r"memory\.gates"),
+        ({"memory": {"hidden_step": 1.5}}, r"memory\.hidden_step"),
+        ({"memory_gates": "constant", "surprise_gate": True}, "gates='constant'"),
+        ({"memory": {"loss": "quartic"}}, "memory.loss"),
+        ({"memory": {"loss": {"name": "lp", "p": 1.0}}}, r"memory\.loss\.p: must be > 1"),
+        ({"memory": {"depth": 2, "gradients": "token", "momentum": False, "max_grad_norm": None,
+                     "max_state_norm": None, "normalize_chunk": False}}, "needs depth=1"),
     ],
 )
 def test_bad_configs_name_the_field(overrides, field):

@@ -45,7 +45,7 @@ def test_bad_fields_are_named(tiny_config, override, field):
 
 @pytest.mark.parametrize("override, message", [
     *[(f"{field}={value}", rf"{field}: expected a finite number, got {value[1:]}")
-      for field in ("optim.lr", "optim.weight_decay", "optim.grad_clip", "optim.eps", "model.max_lr",
+      for field in ("optim.lr", "optim.weight_decay", "optim.grad_clip", "optim.eps", "model.memory.max_lr",
                     "model.mlp_ratio", "model.rope_base", "time_budget_s")
       for value in (".nan", ".inf")],
     ("task.options.depth=.nan", r"task passkey\.depth: expected a finite number"),  # task options too
@@ -59,7 +59,12 @@ def test_bad_fields_are_named(tiny_config, override, field):
     ("seed=-1", r"seed: must be in \[0, 9223372036854775807\], got -1"),
     ("threads=100000", r"threads: must be in \[1, 1024\]"),
     ("model.vocab_size=1099511627776", r"model\.vocab_size: must be in \[1, 16777216\]"),
-    ("model.memory_init_eta=1", r"model\.memory_init_eta: must be in \(0, 1\), got 1"),
+    ("model.memory.init_eta=1", r"model\.memory\.init_eta: must be in \(0, 1\), got 1"),
+    # a flat name (configs written before the memory section) reads into its place, and the error names that place
+    ("model.memory_init_eta=1", r"model\.memory\.init_eta: must be in \(0, 1\), got 1"),
+    ("model.max_lr=.nan", r"model\.memory\.max_lr: expected a finite number, got nan"),
+    ("model.memory.loss.name=hubr", r"model\.memory\.loss: name must be one of 'squared', 'huber', 'lp', got 'hubr'"),
+    ("model.memory.loss={name: huber, delta: 0}", r"model\.memory\.loss\.delta: must be > 0, got 0"),
     ("optim.betas=[0.9]", r"optim\.betas\[1\]: missing"),
     ("optim.betas=[0.9, 0.9, 0.9]", r"optim\.betas: expected at most 2 item\(s\), got 3"),
     ("model.heads=3", r"^model: dim \(16\) must be divisible by heads \(3\)$"),  # a rule between fields

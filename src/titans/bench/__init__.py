@@ -62,6 +62,10 @@ def memory(
     reference: bool = typer.Option(True, help="Also measure titans-pytorch==0.5.5 when installed."),
     paper_rule: bool = typer.Option(False, help="Also measure our memory with the paper's unbounded rule (no input "
                                                 "normalisation, no bounds): what the default rule costs."),
+    loss: Optional[str] = typer.Option(
+        None, help="Also measure our memory under these inner losses, next to the squared loss in the same run (what "
+                   "each costs): comma-separated names (huber,lp) or a name with its fields "
+                   "(huber:gated=true:delta=0.5, lp:p=4)."),
     reference_lengths: Optional[str] = typer.Option(
         "512,1024,2048,8192", help="Lengths at which to run the reference (it is slow and memory hungry)."
     ),
@@ -83,13 +87,19 @@ def memory(
     from .memory import (
         best_of,
         format_implementations,
+        format_loss_cost,
         format_rule_cost,
         format_table,
+        parse_losses,
         reference_available,
         run_point,
     )
 
     seq_lens = _int_list(lengths, "lengths")
+    try:
+        losses = parse_losses(loss) if loss is not None else {}
+    except ValueError as err:
+        raise typer.BadParameter(str(err)) from None
     if device not in ("cpu", "cuda"):
         raise typer.BadParameter(f"device must be cpu or cuda, got {device!r}")
     chosen = _choices(implementation, "implementation", IMPLEMENTATIONS) if implementation is not None else [None]
@@ -97,7 +107,7 @@ def memory(
                 repeats=repeats, warmup=warmup, device=device, implementation=chosen[0])
     # ours under each chosen implementation: "titans", or "titans:<implementation>" when several are compared
     ours = {f"titans:{name}": name for name in chosen} if len(chosen) > 1 else {"titans": chosen[0]}
-    impls = list(ours) + (["titans-paper"] if paper_rule else [])
+    impls = list(ours) + (["titans-paper"] if paper_rule else []) + [f"titans-loss:{name}" for name in losses]
     if len(chosen) > 1:
         reference = False
     if reference and reference_available():
@@ -110,7 +120,8 @@ def memory(
         runs: dict[str, list] = {impl: [] for impl in impls if impl != "reference" or seq in ref_lens}
         for _ in range(rounds):
             for impl, done in runs.items():
-                point = run_point({**spec, "impl": impl, "implementation": ours.get(impl, chosen[0]), "seq_len": seq},
+                point = run_point({**spec, "impl": impl, "implementation": ours.get(impl, chosen[0]), "seq_len": seq,
+                                   "loss": losses.get(impl.removeprefix("titans-loss:"))},
                                   memory_cap_gib, timeout_s, release_memory)
                 typer.echo(f"{impl:>12} seq {seq:>6}: {point.status}, fwd {point.fwd_tok_s or 0:.0f} tok/s, "
                            f"fwd+bwd {point.fwd_bwd_tok_s or 0:.0f} tok/s, peak {point.peak_mib or 0:.0f} MiB",
@@ -126,6 +137,8 @@ def memory(
     typer.echo(format_implementations(points, list(ours)) if len(chosen) > 1 else format_table(points))
     if paper_rule:
         typer.echo(format_rule_cost(points))
+    if losses:
+        typer.echo(format_loss_cost(points, list(losses)))
     if out is not None:
         out.write_text(json.dumps([p.__dict__ for p in points], indent=2))
         typer.echo(f"wrote {out}")
@@ -247,7 +260,8 @@ def recall(
     workers: int = typer.Option(2, min=1, help="Runs side by side (one torch thread each)."),
     run_dir: Path = typer.Option(Path("runs/bench-recall"), help="Where the runs go; finished runs are reused."),
     overrides: Optional[list[str]] = typer.Option(None, "--set", help="A change to the defaults for every run, as "
-                                                                      "titans train takes it: model.max_lr=0.02"),
+                                                                      "titans train takes it: "
+                                                                      "model.memory.max_lr=0.02"),
     out: Optional[Path] = typer.Option(None, help="Write the table's numbers and every run's details as JSON here."),
 ) -> None:
     """Every variant with the default settings, trained on passkey, MQAR and key-value recall across noise; accuracy
@@ -293,7 +307,7 @@ def backward(
                                                           "MAC's segment, else the memory's chunk)."),
     overrides: Optional[list[str]] = typer.Option(None, "--set", help="Replay under another rule, a model field that "
                                                                       "keeps the parameters' shapes: "
-                                                                      "model.memory_max_grad_norm=1"),
+                                                                      "model.memory.max_grad_norm=1"),
     float64: bool = typer.Option(False, "--float64", help="Replay in double precision (the exact gradient; float32, "
                                                            "as trained, also amplifies rounding where the map "
                                                            "expands)."),

@@ -13,8 +13,8 @@ segment multiplies the gradient on its way back.
 `--float64` replays in double precision: where the map expands, the backward pass amplifies float32's rounding as
 well as the gradient, so the float32 figure (what training saw) can be far from the exact one.
 
-`--set model.FIELD=VALUE` replays the same weights under another rule (say `model.memory_max_grad_norm=1` or
-`model.memory_hidden_step=0.1`): the fields that do not change the parameters' shapes, so that a remedy is tried on
+`--set model.FIELD=VALUE` replays the same weights under another rule (say `model.memory.max_grad_norm=1` or
+`model.memory.hidden_step=0.1`): the fields that do not change the parameters' shapes, so that a remedy is tried on
 the very weights that showed the growth.
 """
 
@@ -207,7 +207,7 @@ def update_chain(memory: NeuralMemory, writes: list[Tensor], start: MemoryState)
 
 def check_piece(cfg: TrainConfig, piece: int) -> None:
     """`piece` must leave the outputs those of one call: a multiple of the chunk (and of MAC's segment)."""
-    unit = cfg.model.chunk_size
+    unit = cfg.model.memory.chunk_size
     if cfg.model.variant == "mac":
         unit = math.lcm(unit, cfg.model.segment_len)
     if piece % unit:
@@ -221,7 +221,7 @@ def replay(checkpoint: Path, steps: list[int] | None, piece: int | None, overrid
     """Replay `steps` (default: the checkpoint's own step) of the run a checkpoint belongs to, every one from the
     checkpoint's weights."""
     path, cfg, task, model = load_replay(checkpoint, overrides, dtype)
-    piece = piece or (cfg.model.segment_len if cfg.model.variant == "mac" else cfg.model.chunk_size)
+    piece = piece or (cfg.model.segment_len if cfg.model.variant == "mac" else cfg.model.memory.chunk_size)
     check_piece(cfg, piece)
     chosen = steps if steps else [checkpoint_step(path)]
     return path, cfg, [replay_step(model, cfg, task, step, piece) for step in chosen]

@@ -36,23 +36,25 @@ def _rss_mib() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def _build(impl: str, dim: int, heads: int, depth: int, expansion: int, chunk_size: int,
-           implementation: Optional[str] = None) -> torch.nn.Module:
-    """The layer to measure; `implementation` picks ours's chunk loop (`parallel_memory`'s; None: its own choice)."""
-    # ours: "titans" or "titans:<implementation>" with the default rule, "titans-paper" with the paper's unbounded one
-    # (bench stability's RULES)
-    if impl != "reference":
+def _build(spec: dict) -> torch.nn.Module:
+    """The layer a point measures: ours ("titans", or "titans:<implementation>", with the default rule;
+    "titans-paper" with the paper's unbounded one, bench stability's RULES; `spec["loss"]`, where given, the inner loss
+    in place of the squared one; `spec["implementation"]` picks the chunk loop, None: its own choice), or the
+    reference package's ("reference")."""
+    if spec["impl"] != "reference":
         from titans.bench.stability import RULES
         from titans.memory import NeuralMemory
 
-        rule = RULES["paper" if impl == "titans-paper" else "ours"]
-        return NeuralMemory(dim, heads=heads, depth=depth, expansion=expansion, chunk_size=chunk_size,
-                            implementation=implementation, **rule)
+        rule = RULES["paper" if spec["impl"] == "titans-paper" else "ours"]
+        if spec.get("loss") is not None:
+            rule = rule.replace(loss=spec["loss"])
+        return NeuralMemory(spec["dim"], heads=spec["heads"], depth=spec["depth"], expansion=spec["expansion"],
+                            chunk_size=spec["chunk_size"], rule=rule, implementation=spec.get("implementation"))
     from titans_pytorch import NeuralMemory as ReferenceMemory
 
     return ReferenceMemory(
-        dim=dim, chunk_size=chunk_size, heads=heads,
-        default_model_kwargs=dict(depth=depth, expansion_factor=float(expansion)),
+        dim=spec["dim"], chunk_size=spec["chunk_size"], heads=spec["heads"],
+        default_model_kwargs=dict(depth=spec["depth"], expansion_factor=float(spec["expansion"])),
     )
 
 
@@ -62,8 +64,7 @@ def _worker(spec: dict) -> BenchPoint:
     torch.manual_seed(0)
     point = BenchPoint(spec["impl"], spec["seq_len"], spec["batch"])
     device = torch.device(spec.get("device", "cpu"))
-    model = _build(spec["impl"], spec["dim"], spec["heads"], spec["depth"], spec["expansion"], spec["chunk_size"],
-                   spec.get("implementation")).to(device)
+    model = _build(spec).to(device)
     x = torch.randn(spec["batch"], spec["seq_len"], spec["dim"]).to(device)
     tokens = spec["batch"] * spec["seq_len"]
     cuda = device.type == "cuda"
@@ -234,6 +235,50 @@ def format_rule_cost(points: list[BenchPoint]) -> str:
             continue
         lines.append(f"| {seq} | {ours.fwd_tok_s:.0f} | {paper.fwd_tok_s:.0f} | {ours.fwd_bwd_tok_s:.0f} | "
                      f"{paper.fwd_bwd_tok_s:.0f} | {ours.fwd_bwd_tok_s / paper.fwd_bwd_tok_s:.3f} |")
+    return "\n".join(lines)
+
+
+def parse_losses(text: str) -> dict[str, dict]:
+    """`--loss`'s comma-separated entries, each a loss's name (`huber`) or its name and fields (`huber:gated=true`,
+    `lp:p=4:eps=1e-4`; values read as YAML): {entry: the loss as a config mapping}, each checked as `MemoryRule`
+    checks a loss (a ValueError naming what is wrong)."""
+    from titans.config import load_yaml
+    from titans.memory import MemoryRule
+
+    losses = {}
+    for entry in (item.strip() for item in text.split(",")):
+        if not entry:
+            continue
+        name, *fields = entry.split(":")
+        loss: dict = {"name": name}
+        for field in fields:
+            key, eq, value = field.partition("=")
+            if not eq or not key:
+                raise ValueError(f"--loss {entry!r}: a loss's field is written key=value, got {field!r}")
+            loss[key] = load_yaml(value)
+        MemoryRule(loss=loss)  # refuses an unknown loss or field, naming it
+        losses[entry] = loss
+    if not losses:
+        raise ValueError(f"--loss names no loss, got {text!r}")
+    return losses
+
+
+def format_loss_cost(points: list[BenchPoint], losses: list[str]) -> str:
+    """Markdown: our memory under each loss (impl `titans-loss:<entry>`) beside the squared loss (`titans`), measured
+    in the same run, and each one's forward+backward tokens/s as a multiple of the squared loss's."""
+    by_len: dict[int, dict[str, BenchPoint]] = {}
+    for p in points:
+        by_len.setdefault(p.seq_len, {})[p.impl] = p
+    names = ["squared", *losses]
+    lines = ["| seq | " + " | ".join(f"{n} fwd+bwd tok/s" for n in names) + " | "
+             + " | ".join(f"{n} / squared" for n in losses) + " |", "|---:|" + "---:|" * (2 * len(names) - 1)]
+    for seq in sorted(by_len):
+        row = [by_len[seq].get("titans"), *(by_len[seq].get(f"titans-loss:{n}") for n in losses)]
+        cells = [f"{p.fwd_bwd_tok_s:.0f}" if p and p.status == "ok" else (p.status if p else "-") for p in row]
+        first = row[0]
+        ratios = [f"{p.fwd_bwd_tok_s / first.fwd_bwd_tok_s:.3f}"
+                  if p and first and p.status == first.status == "ok" else "-" for p in row[1:]]
+        lines.append(f"| {seq} | " + " | ".join(cells + ratios) + " |")
     return "\n".join(lines)
 
 

@@ -39,7 +39,7 @@ SIZES = {"dim": 64, "depth": 2, "heads": 2, "window": 32, "segment_len": 32}
 
 def recall_config(variant: str, task: str, seed: int, steps: int, train_length: int,
                   overrides: list[str] | None = None) -> TrainConfig:
-    """The run's config; `overrides` (`model.memory_init_eta=0.5`, as `titans train` takes them) change the defaults
+    """The run's config; `overrides` (`model.memory.init_eta=0.5`, as `titans train` takes them) change the defaults
     being measured, to compare a design choice with the default in runs that differ in nothing else."""
     return load_train_config(overrides=overrides, data={
         "name": f"{variant}-{task}-s{seed}",

@@ -26,13 +26,13 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ..memory import NeuralMemory
+from ..memory import MemoryRule, NeuralMemory
 
 RULES = {
-    "ours": {},  # the layer's defaults
-    "paper": {"normalize_inputs": False, "max_grad_norm": None, "max_state_norm": None, "normalize_chunk": False,
-              "max_momentum_step": None},
+    "ours": MemoryRule(),  # the layer's defaults
+    "paper": MemoryRule.paper(),
 }
+STRUCTURE = ("depth", "expansion", "chunk_size")  # NeuralMemory's arguments beside the rule that the sweeps change
 WORST_GATE_LOGITS = (20.0, 20.0, -20.0)  # θ → θ_max, η → 1, α → 0 (the sigmoids saturate)
 
 
@@ -60,7 +60,9 @@ class StreamResult:
 
 
 def build_memory(rule: str, dim: int, heads: int, **fields) -> NeuralMemory:
-    return NeuralMemory(dim, heads=heads, **fields, **RULES[rule])
+    """The memory under rule `rule` ("ours", "paper") with `fields` changed: its structure, or fields of the rule."""
+    structure = {name: fields.pop(name) for name in STRUCTURE if name in fields}
+    return NeuralMemory(dim, heads=heads, rule=RULES[rule].replace(**fields), **structure)
 
 
 def _set_worst_gates(memory: NeuralMemory) -> None:

@@ -36,11 +36,12 @@ def memory_reader(dim: int, memory_depth: int, expansion: int, chunk_size: int, 
                   residual: bool = False):
     """predict(inputs [B, 4n + 1]) -> predicted tokens [B, 4n + 1]: the pairs written into a fresh memory, every
     queried key read back (other positions predict -1)."""
-    from ..memory import NeuralMemory, memory_apply, parallel_memory
+    from ..memory import MemoryRule, NeuralMemory, memory_apply, parallel_memory
 
     generator = torch.Generator().manual_seed(0)
-    layer = NeuralMemory(dim, heads=1, depth=memory_depth, expansion=expansion, chunk_size=chunk_size,
-                         residual=residual)
+    # the default rule but for the residual; the gates are given here, so κ is off (θ is the capacity grid's choice)
+    rule = MemoryRule(residual=residual, max_momentum_step=None)
+    layer = NeuralMemory(dim, heads=1, depth=memory_depth, expansion=expansion, chunk_size=chunk_size, rule=rule)
     vectors = torch.nn.functional.normalize(torch.randn(vocab, dim, generator=generator, dtype=torch.float64), dim=-1)
     weights = tuple(w.detach().double() for w in layer.initial_weights)
     value_low, value_high = Capacity(CapacityOptions(vocab=vocab, num_pairs=1)).value_range
@@ -52,11 +53,9 @@ def memory_reader(dim: int, memory_depth: int, expansion: int, chunk_size: int, 
         gate = torch.ones(batch, 1, n, dtype=torch.float64)
         _, final, _ = parallel_memory(
             keys, keys, values, theta * gate, layer_gate(layer, 1) * gate, layer_gate(layer, 2) * gate,
-            tuple(w.unsqueeze(0).expand(batch, -1, -1, -1) for w in weights), chunk_size=chunk_size,
-            activation=layer.activation, residual=layer.residual, max_grad_norm=layer.max_grad_norm,
-            max_state_norm=layer.max_state_norm, normalize_chunk=layer.normalize_chunk)
+            tuple(w.unsqueeze(0).expand(batch, -1, -1, -1) for w in weights), rule=rule, chunk_size=chunk_size)
         start = length - 2 * n
-        read = memory_apply(vectors[inputs[:, start::2]][:, None], final, layer.activation, layer.residual)[:, 0]
+        read = memory_apply(vectors[inputs[:, start::2]][:, None], final, rule)[:, 0]
         scores = torch.nn.functional.normalize(read, dim=-1) @ vectors[value_low:value_high].T
         preds = torch.full_like(inputs, -1)
         preds[:, start::2] = scores.argmax(-1) + value_low

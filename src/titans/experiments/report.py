@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..models.config import TITANS_VARIANTS
+from .spec import MISSING, model_field
 
 # the issues' order; others follow by name
 ORDER = ("niah", "babilong", "mqar", "long", "capacity", "efficiency", "lm", "ablations_lm", "ablations_niah",
@@ -124,8 +125,9 @@ def heatmap_cells(data: dict[str, Any]) -> tuple[list[float], list[float], dict[
     for run in data["runs"].values():
         model = run.get("config", {}).get("model", {})
         value = data["results"].get(run["model"], {}).get(setting)
-        if model.get(axes["x"]) is not None and model.get(axes["y"]) is not None and value is not None:
-            cells[(model[axes["x"]], model[axes["y"]])] = value
+        x, y = (model_field(model, axes[axis]) for axis in ("x", "y"))  # records flat (older) or nested
+        if x not in (None, MISSING) and y not in (None, MISSING) and value is not None:
+            cells[(x, y)] = value
     return sorted({x for x, _ in cells}), sorted({y for _, y in cells}), cells
 
 

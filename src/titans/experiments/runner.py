@@ -43,7 +43,7 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
-from ..models.config import unread_fields
+from ..models.config import unread_fields, without_fields
 from ..models.state_io import staged_writes
 from ..train.config import TrainConfig, saved_train_dict
 from ..train.loop import checked_tasks
@@ -55,8 +55,7 @@ def _identity(cfg: TrainConfig) -> dict[str, Any]:
     its settings, the name, which labels it (the directory and the row it is filed under), and the model's fields
     that it never reads (`unread_fields`)."""
     identity = {key: value for key, value in cfg.to_dict().items() if key not in ("time_budget_s", "name")}
-    unread = unread_fields(cfg.model)
-    identity["model"] = {key: value for key, value in identity["model"].items() if key not in unread}
+    identity["model"] = without_fields(identity["model"], unread_fields(cfg.model))
     return identity
 
 

@@ -21,7 +21,7 @@ from typing import Any, Literal, Optional
 from pydantic import Field, NonNegativeInt, PositiveFloat, PositiveInt, model_validator
 
 from ..config import Config, FromList, read_yaml_mapping, shipped_configs
-from ..models.config import VARIANTS, TitansConfig, Variant
+from ..models.config import FLAT_MEMORY_FIELDS, VARIANTS, TitansConfig, Variant, nest_memory_fields
 from ..train.config import RUN_NAME, TrainConfig, load_train_config
 
 
@@ -96,14 +96,15 @@ class Published(Config):
 class HeatMap(Config):
     """The figure as a heat map over two model settings of the rows (e.g. constant θ and η), instead of lines."""
 
-    x: str = ""  # a TitansConfig field, e.g. memory_init_theta
+    x: str = ""  # a TitansConfig field's path, e.g. memory.init_theta (a flat name, memory_init_theta, reads too)
     y: str = ""
 
     @model_validator(mode="after")
     def check_rules(self) -> HeatMap:
         for axis in (self.x, self.y):
-            if axis and axis not in TitansConfig.model_fields:
-                raise ValueError(f"heatmap axes must be model fields (TitansConfig), got {axis!r}")
+            if axis and model_field(TitansConfig().to_dict(), axis) is MISSING:
+                raise ValueError(f"heatmap axes must be model fields (TitansConfig, e.g. memory.init_theta), "
+                                 f"got {axis!r}")
         if bool(self.x) != bool(self.y):
             raise ValueError("heatmap needs both x and y (or neither)")
         return self
@@ -199,14 +200,34 @@ MERGED = ("base", "capacity", "efficiency", "continual")  # the sections `quick`
 
 
 def merge(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
-    """`base` with `changes` applied section by section (nested mappings merge, everything else is replaced)."""
+    """`base` with `changes` applied section by section (nested mappings merge, everything else is replaced). A model
+    section's flat memory fields (`memory_depth`) are nested first on both sides, so that a change wins however either
+    side spells the field."""
     merged = dict(base)
     for key, value in changes.items():
-        if isinstance(value, dict) and isinstance(merged.get(key), dict) and key not in ("options",):
+        if key == "model" and isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = merge(nest_memory_fields(merged[key]), nest_memory_fields(value))
+        elif isinstance(value, dict) and isinstance(merged.get(key), dict) and key not in ("options",):
             merged[key] = merge(merged[key], value)
         else:
             merged[key] = value
     return merged
+
+
+MISSING = object()
+
+
+def model_field(model: dict[str, Any], path: str) -> Any:
+    """The value at a field's path (`memory.init_theta`, or its flat name `memory_init_theta`) of a model config's
+    mapping, flat or nested (a results JSON's records hold both); MISSING where it has none."""
+    node: Any = nest_memory_fields(model)
+    if "." not in path and path in FLAT_MEMORY_FIELDS:
+        path = f"memory.{FLAT_MEMORY_FIELDS[path]}"
+    for part in path.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return MISSING
+        node = node[part]
+    return node
 
 
 def experiments_dir() -> Path:

@@ -1,11 +1,13 @@
-"""The neural long-term memory (paper §3): functional update rule, chunk-parallel and reference, layer."""
+"""The neural long-term memory (paper §3): the update rule, functional chunk-parallel and reference, the layer."""
 
 from .delta import delta_rule_memory
 from .fused import release_workspace
 from .layer import MemoryState, NeuralMemory
+from .losses import LOSSES, Huber, Loss, Lp, Squared
 from .mlp import memory_apply
 from .parallel import parallel_memory
 from .reference import sequential_memory
+from .rule import MemoryRule
 
-__all__ = ["MemoryState", "NeuralMemory", "delta_rule_memory", "memory_apply", "parallel_memory", "release_workspace",
-           "sequential_memory"]
+__all__ = ["LOSSES", "Huber", "Loss", "Lp", "MemoryRule", "MemoryState", "NeuralMemory", "Squared",
+           "delta_rule_memory", "memory_apply", "parallel_memory", "release_workspace", "sequential_memory"]

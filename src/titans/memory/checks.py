@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Callable, Optional, TypeVar, Union
+from typing import TYPE_CHECKING, Callable, Optional, TypeVar, Union
 
 import torch
 from torch import Tensor
 
-from .mlp import ACTIVATIONS, Weights
+from .mlp import Weights
+
+if TYPE_CHECKING:
+    from .rule import MemoryRule
 
 Theta = Union[Tensor, Callable[[Tensor, int, int], Tensor]]
 # α_t: one gate per token `[batch, heads, seq]` (the paper), or per channel: one `[batch, heads, seq, d_out]` per layer
@@ -61,14 +64,15 @@ def check_memory_args(
     weights: Weights,
     momentum: Optional[Weights],
     chunk_size: int,
-    activation: str,
-    residual: bool,
-    max_grad_norm: Optional[float] = None,
-    max_state_norm: Optional[float] = None,
-    normalize_chunk: bool = False,
-    hidden_step: float = 1.0,
+    rule: MemoryRule,
+    loss_gate: Optional[Tensor] = None,
 ) -> Weights:
-    """Validate the memory call; return the momentum (zeros when None)."""
+    """Validate the memory call; return the momentum (zeros when None). The rule's own fields were checked when it was
+    made (`MemoryRule`); here what depends on the tensors."""
+    from .rule import MemoryRule
+
+    if not isinstance(rule, MemoryRule):
+        raise ValueError(f"rule must be a MemoryRule (titans.memory.MemoryRule), got {type(rule).__name__}")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -109,6 +113,13 @@ def check_memory_args(
             gates[f"alpha[{i}]"] = (a, (batch, heads, seq, w.shape[3]))
     else:
         gates["alpha"] = (alpha, (batch, heads, seq))
+    if rule.loss.has_gate:
+        if loss_gate is None:
+            raise ValueError(f"loss_gate: the rule's loss ({rule.loss.name}, gated) needs its per-token parameter, a "
+                             "tensor [batch, heads, seq]")
+        gates["loss_gate"] = (loss_gate, (batch, heads, seq))
+    elif loss_gate is not None:
+        raise ValueError(f"loss_gate: the rule's loss ({rule.loss.name}) takes no gate; give None")
     for name, (g, shape) in gates.items():
         if not isinstance(g, Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(g).__name__}")
@@ -119,33 +130,24 @@ def check_memory_args(
     if checks_values(k):
         for name, (g, _) in gates.items():
             _check_finite(name, g)
-        # Ranges: θ ≥ 0 is a learning rate; η and 1 − α are decay factors in [0, 1].
-        if isinstance(theta, Tensor) and (theta < 0).any():
-            raise ValueError("theta (inner learning rate) must be >= 0")
+        # Ranges: θ ≥ 0 is a learning rate; η and 1 − α are decay factors in [0, 1]; the loss's gate (Huber's δ) ≥ 0.
+        for name in ("theta", "loss_gate"):
+            if name in gates and (gates[name][0] < 0).any():
+                raise ValueError(f"{name} must be >= 0")
         for name, (g, _) in gates.items():
-            if name != "theta" and ((g < 0) | (g > 1)).any():
+            if name not in ("theta", "loss_gate") and ((g < 0) | (g > 1)).any():
                 raise ValueError(f"{name} must lie in [0, 1]")
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be an integer >= 1, got {chunk_size!r}")
-    for name, bound in (("max_grad_norm", max_grad_norm), ("max_state_norm", max_state_norm)):
-        if bound is not None and (isinstance(bound, bool) or not isinstance(bound, (int, float))
-                                  or not 0 < bound < float("inf")):
-            raise ValueError(f"{name} must be a positive finite number or None, got {bound!r}")
-    if isinstance(hidden_step, bool) or not isinstance(hidden_step, (int, float)) or not 0 <= hidden_step <= 1:
-        raise ValueError(f"hidden_step must be a number in [0, 1] (the hidden layers' step as a fraction of θ), "
-                         f"got {hidden_step!r}")
-    if not isinstance(normalize_chunk, bool):
-        raise ValueError(f"normalize_chunk must be True or False, got {normalize_chunk!r}")
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
+    max_grad_norm = rule.max_grad_norm
     if max_grad_norm is not None:  # its square enters the bound: it must be a normal number of the state's dtype
         info = torch.finfo(weights[0].dtype)
         if not info.tiny**0.5 <= max_grad_norm <= info.max**0.5:
-            raise ValueError(f"max_grad_norm must lie in [{info.tiny**0.5:.1e}, {info.max**0.5:.1e}] for "
+            raise ValueError(f"rule.max_grad_norm must lie in [{info.tiny**0.5:.1e}, {info.max**0.5:.1e}] for "
                              f"{weights[0].dtype} state (its square must be a normal number), got {max_grad_norm!r}")
     if expected_in != v.shape[3]:
         raise ValueError(f"the last of weights outputs {expected_in} features but v has dim {v.shape[3]}")
-    if residual and v.shape[3] != dim:
+    if rule.residual and v.shape[3] != dim:
         raise ValueError(f"residual memory needs v dim == k dim, got {v.shape[3]} and {dim}")
     named = {"q": q, "v": v, **{name: g for name, (g, _) in gates.items()}}
     for name, t in {**named, **{f"weights[{i}]": w for i, w in enumerate(weights)}}.items():

@@ -25,26 +25,38 @@ from torch import Tensor
 from .checks import check_memory_args, without_autocast
 from .decays import forget_decays
 from .mlp import Weights
+from .rule import MemoryRule, bounded_theta
+
+# The rule this function computes: the exact delta rule (gradients="token"), which the MemoryRule validator holds to
+# no momentum, no bounds, the summed step and the squared loss; κ and the residual are the caller's choice.
+DELTA_RULE = MemoryRule.paper(gradients="token", momentum=False)
 
 
 @without_autocast
 def delta_rule_memory(
     q: Tensor, k: Tensor, v: Tensor, theta: Tensor, alpha: Tensor, weights: Weights, chunk_size: int = 16,
-    residual: bool = False,
+    rule: MemoryRule = DELTA_RULE,
 ) -> tuple[Tensor, Weights]:
     """Run the exact gated delta rule over `[batch, heads, seq, dim]` inputs; return (y, weights after the
     last token). `weights` is a 1-tuple holding one `[batch, heads, d_k, d_v]` matrix; θ, α are
-    `[batch, heads, seq]`.
-    With `residual`, M(x) = x + x W (so ℓ_t = ‖k_t W − (v_t − k_t)‖² and y_t = q_t + q_t W_t)."""
+    `[batch, heads, seq]`. `rule` must take its gradients per token (`gradients="token"`, which `MemoryRule` allows
+    only with what this function computes: the squared loss, no momentum, no bounds); its κ bounds θ as everywhere
+    (with η = 0: θ_t ≤ κ). With `rule.residual`, M(x) = x + x W (so ℓ_t = ‖k_t W − (v_t − k_t)‖² and
+    y_t = q_t + q_t W_t)."""
     if not isinstance(theta, Tensor):
         raise ValueError(f"theta must be a tensor [batch, heads, seq] for the delta rule, got {type(theta).__name__}")
-    check_memory_args(q, k, v, theta, torch.zeros_like(alpha) if isinstance(alpha, Tensor) else alpha, alpha,
-                      weights, None, chunk_size, "gelu", residual)
+    if isinstance(rule, MemoryRule) and rule.gradients != "token":
+        raise ValueError("rule: the exact delta rule takes its gradients per token (gradients='token'); a rule with "
+                         "gradients='chunk' is parallel_memory's")
+    no_momentum = torch.zeros_like(alpha) if isinstance(alpha, Tensor) else alpha
+    check_memory_args(q, k, v, theta, no_momentum, alpha, weights, None, chunk_size, rule)
     if len(weights) != 1:
         raise ValueError(f"weights: the delta rule is a matrix memory (depth 1), got {len(weights)} layers")
     (W,) = weights
+    residual = rule.residual
     out_dtype = q.dtype
     q, k, v, theta, alpha = (t.to(W.dtype) for t in (q, k, v, theta, alpha))
+    theta = bounded_theta(rule, theta, torch.zeros_like(theta))  # κ with η = 0
     target = v - k if residual else v
     outputs = []
     for start in range(0, k.shape[2], chunk_size):

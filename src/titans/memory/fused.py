@@ -29,6 +29,7 @@ backward is not itself differentiable (no double backward); the autograd path is
 
 from __future__ import annotations
 
+import functools
 import threading
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
@@ -47,6 +48,7 @@ from .mlp import (
     state_norm_scale,
     token_grad_sq_norm,
 )
+from .rule import MemoryRule
 from .state_ops import Pair, kernels, momentum_grad, update_state, weight_grad, xw, xwt
 
 State = list[Tensor]  # [W_1, S_1, W_2, S_2, …], each [BH, d_in, d_out]
@@ -54,19 +56,26 @@ State = list[Tensor]  # [W_1, S_1, W_2, S_2, …], each [BH, d_in, d_out]
 
 @dataclass(frozen=True)
 class ScanConfig:
+    """What a scan (`MemoryScan`, `triton_scan.TritonScan`) computes besides its tensors: the rule, how to run it."""
+
     chunk_size: int
-    activation: str
-    residual: bool
-    max_grad_norm: Optional[float]
-    max_state_norm: Optional[float]  # the bounded state (parallel_memory's max_state_norm)
-    normalize_chunk: bool  # the normalised chunk step (parallel_memory's normalize_chunk)
-    hidden_step: float  # ρ, the step of every layer but the last as a fraction of θ (parallel_memory's hidden_step)
+    rule: MemoryRule  # the update (parallel_memory's rule)
     group_chunks: Optional[int]  # chunks per recomputation group; None: one group, nothing recomputed
     record: bool  # save what the backward pass needs
 
-    def layer_step(self, i: int, depth: int) -> float:
-        """Layer i's inner step as a fraction of θ: ρ for a hidden layer, 1 for the last."""
-        return self.hidden_step if i < depth - 1 else 1.0
+
+class ScanInputs(NamedTuple):
+    """The scan's per-token inputs `[BH, seq, ...]` (or one chunk's, `[BH, n, ...]`), and their gradients in the same
+    layout: q, k, v, the learning rate θ (η and α enter as the chunks' decays), the loss's gate (None without one)."""
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    theta: Tensor
+    loss_gate: Optional[Tensor]
+
+    def span(self, start: int, end: int) -> ScanInputs:
+        return ScanInputs(*(None if t is None else t[:, start:end] for t in self))
 
 
 class ChunkDecays(NamedTuple):
@@ -163,22 +172,26 @@ class ChunkCache(NamedTuple):
     norm: Optional[Tensor]  # the normalised chunk step's factors K (C = (D diag(θ)) ⊙ K), None without it
     C: Tensor  # C = D diag(θ) (⊙ K)
     u_m: Tensor  # the momentum's coefficients θ ⊙ E[n,:] (⊙ K[n,:])
+    error: Optional[Tensor]  # e = M(k) − v where the loss's backward reads it (`Loss.needs_error`), else None
+    gate: Optional[Tensor]  # the loss's per-token gate, None without one
 
 
-def _chunk_forward(
-    cfg: ScanConfig, state: State, q: Tensor, k: Tensor, v: Tensor, theta: Tensor, dec: ChunkDecays,
-    y_out: Tensor, new_state: Optional[State],
-) -> ChunkCache:
+def _chunk_forward(cfg: ScanConfig, state: State, x: ScanInputs, dec: ChunkDecays, y_out: Tensor,
+                   new_state: Optional[State]) -> ChunkCache:
     """Outputs y_t = M(q_t; W_t) into `y_out` and, unless `new_state` is None, the state after the chunk."""
-    sigma, sigma_vjp = ACTIVATIONS[cfg.activation][0], ACTIVATION_VJPS[cfg.activation]
+    rule = cfg.rule
+    sigma, sigma_vjp = ACTIVATIONS[rule.activation][0], ACTIVATION_VJPS[rule.activation]
+    q, k, v, theta, gate = x
     W, S = state[0::2], state[1::2]
     depth = len(W)
-    # Keys at the chunk's starting weights: the associative loss ℓ_t = ‖M(k_t) − v_t‖² (eq. 12) and its δ.
-    out, a, p = forward_cached(k, W, cfg.activation, cfg.residual, matmul=xw)
+    # Keys at the chunk's starting weights: the associative loss ℓ_t = Σ_j h(M(k_t) − v_t)_j (eq. 12, h the rule's
+    # loss) and its δ, from g = h' (`losses.py`).
+    out, a, p = forward_cached(k, W, rule, matmul=xw)
     delta: list[Tensor] = [None] * depth  # type: ignore[list-item]
     m: list[Tensor] = [None] * depth  # type: ignore[list-item]
     dsigma: list[Tensor] = [None] * depth  # type: ignore[list-item]
-    delta[-1] = 2.0 * (out - v)
+    error = out - v
+    delta[-1] = rule.loss.grad(error, gate)
     for i in range(depth - 2, -1, -1):
         m[i] = xwt(delta[i + 1], W[i + 1])
         if cfg.record:  # the backward pass multiplies by σ'(p_i) twice more: evaluate it once
@@ -187,18 +200,18 @@ def _chunk_forward(
         else:
             delta[i] = sigma_vjp(m[i], p[i])
     scale = sq_norm = None
-    if cfg.max_grad_norm is not None:
+    if rule.max_grad_norm is not None:
         sq_norm = token_grad_sq_norm(a, delta)
-        scale = grad_norm_scale(sq_norm, cfg.max_grad_norm)
+        scale = grad_norm_scale(sq_norm, rule.max_grad_norm)
         theta = theta * scale
     C, u_m = dec.D * theta.unsqueeze(-2), theta * dec.E_last
     norm = None
-    if cfg.normalize_chunk:  # token s's step in W_t times K[t,s] (mlp.chunk_step_norm); the end state is row n
+    if rule.normalize_chunk:  # token s's step in W_t times K[t,s] (mlp.chunk_step_norm); the end state is row n
         norm = chunk_step_norm(a, delta)
         C, u_m = C * norm, u_m * norm[:, -1, :]
     beta, c = dec.beta.unsqueeze(-1), dec.c.unsqueeze(-1)
     # The hidden layers step ρ θ: their a_sᵀ δ_s terms scaled after the bounds above saw the whole gradient.
-    step = [delta[i] if cfg.layer_step(i, depth) == 1.0 else delta[i] * cfg.layer_step(i, depth)
+    step = [delta[i] if rule.layer_step(i, depth) == 1.0 else delta[i] * rule.layer_step(i, depth)
             for i in range(depth)]
 
     # Queries at W_t = β_t W⁰ + c_t S⁰ − Σ_s C[t,s] a_sᵀ δ_s, layer by layer (DESIGN.md §2 step 3), and the state after
@@ -226,22 +239,19 @@ def _chunk_forward(
         r.baddbmm_(C_h_a[i], step[i], alpha=-1.0)
         r_list.append(r)
         h = sigma(r) if i < depth - 1 else r
-    if cfg.residual:
+    if rule.residual:
         torch.add(q, h, out=y_out)
     else:
         y_out.copy_(h)
     return ChunkCache(a, p, m, delta, step, dsigma, h_list, hW, hS, r_list, h_a, C_h_a, theta, scale, sq_norm, norm, C,
-                      u_m)
+                      u_m, error if cfg.record and rule.loss.needs_error else None, gate)
 
 
 # --- one chunk, backward -----------------------------------------------------------------------------
 
 
 class ChunkGrads(NamedTuple):
-    q: Tensor
-    k: Tensor
-    v: Tensor
-    theta: Tensor
+    inputs: ScanInputs  # gradients w.r.t. q, k, v, θ and the loss's gate (None without one)
     decays: ChunkDecays  # gradients w.r.t. the ChunkDecays fields
 
 
@@ -252,14 +262,15 @@ def _chunk_backward(
     """Gradients of one chunk by hand; writes ∂L/∂(W⁰, S⁰) into `d_state` given ∂L/∂(W, S after) `d_new`.
 
     The forward pass, per layer i (W, S the chunk's starting state, u_w = C[n,:], u_m = θ ⊙ E[n,:]; under the
-    normalised chunk step C carries ⊙ K and u_m ⊙ K[n,:]):
-        keys:     p_i = a_i W_i,  a_{i+1} = σ(p_i),  δ_L = 2(p_L (+k) − v),  δ_i = (δ_{i+1} W_{i+1}ᵀ) ⊙ σ'(p_i)
+    normalised chunk step C carries ⊙ K and u_m ⊙ K[n,:]; g = h' the loss's gradient, 2e for the squared loss):
+        keys:     p_i = a_i W_i,  a_{i+1} = σ(p_i),  δ_L = g(p_L (+k) − v),  δ_i = (δ_{i+1} W_{i+1}ᵀ) ⊙ σ'(p_i)
         queries:  r_i = β ⊙ h_i W_i + c ⊙ h_i S_i − (C ⊙ h_i a_iᵀ) δ_i,  h_{i+1} = σ(r_i),  y = r_L (+q)
         update:   W_i' = β_n W_i + c_n S_i − a_iᵀ (u_w ⊙ δ_i),  S_i' = e_n S_i − a_iᵀ (u_m ⊙ δ_i)
     and this function walks it in reverse: update, queries (last layer first), the θ algebra, the δ
     recursion (whose σ'' terms are the second-order part of the outer gradient), then the keys.
     """
-    sigma_grad2, sigma_vjp = ACTIVATIONS[cfg.activation][2], ACTIVATION_VJPS[cfg.activation]
+    rule = cfg.rule
+    sigma_grad2, sigma_vjp = ACTIVATIONS[rule.activation][2], ACTIVATION_VJPS[rule.activation]
     W, S = state[0::2], state[1::2]
     dW_new, dS_new = d_new[0::2], d_new[1::2]
     dW, dS = d_state[0::2], d_state[1::2]
@@ -291,7 +302,7 @@ def _chunk_backward(
     w_right: list[list[Tensor]] = [[] for _ in range(depth)]
     d_r = dy
     # Without the residual, v (hence dy) may be narrower or wider than q and k: size d_q, d_k like them.
-    d_q = dy.clone() if cfg.residual else torch.zeros_like(h[0])
+    d_q = dy.clone() if rule.residual else torch.zeros_like(h[0])
     for i in range(depth - 1, -1, -1):
         g_w, g_s = beta * d_r, c * d_r
         step_i = cache.step[i]
@@ -316,8 +327,8 @@ def _chunk_backward(
         d_h.baddbmm_(M, a[i], alpha=-1.0)
         d_a[i].baddbmm_(M.transpose(1, 2), h[i], alpha=-1.0)
         d_delta[i].baddbmm_(cache.C_h_a[i].transpose(1, 2), d_r, alpha=-1.0)
-        if cfg.layer_step(i, depth) != 1.0:  # so far the gradient of ρ δ_i: make it that of δ_i
-            d_delta[i].mul_(cfg.layer_step(i, depth))
+        if rule.layer_step(i, depth) != 1.0:  # so far the gradient of ρ δ_i: make it that of δ_i
+            d_delta[i].mul_(rule.layer_step(i, depth))
         if i > 0:
             d_r = sigma_vjp(d_h, r[i - 1])
         else:
@@ -333,10 +344,10 @@ def _chunk_backward(
     d_D = d_C * th.unsqueeze(-2)
     d_E_last = d_u_m * th
     d_theta = d_th
-    if cfg.max_grad_norm is not None:
+    if rule.max_grad_norm is not None:
         d_theta = d_th * cache.scale
         # scale = c / sqrt(max(sq, c²)): d scale / d sq = −scale / (2 sq) above the bound, 0 below
-        above = cache.sq_norm > cfg.max_grad_norm**2
+        above = cache.sq_norm > rule.max_grad_norm**2
         d_sq = torch.where(above, -0.5 * d_th * theta * cache.scale / cache.sq_norm.clamp_min(1e-30), 0.0)
         for i in range(depth):
             sa, sd = (a[i] * a[i]).sum(-1), (delta[i] * delta[i]).sum(-1)
@@ -351,11 +362,13 @@ def _chunk_backward(
         w_left[i + 1].append(d_m)
         w_right[i + 1].append(delta[i + 1])
         xw(d_m, W[i + 1], out=d_delta[i + 1], accumulate=True)
-    d_out = 2.0 * d_delta[-1]  # δ_L = 2 (out − v)
+    # δ_L = g(e), e = out − v: ∂L/∂e = ∂L/∂δ_L ⊙ g'(e) (2 ∂L/∂δ_L for the squared loss), and the loss's gate's
+    # gradient (∂g/∂gate, summed over the output's coordinates)
+    d_out, d_gate = rule.loss.backward(d_delta[-1], cache.error, cache.gate)
     d_v = -d_out
 
     # 5. Keys: p_i = a_i W_i, a_{i+1} = σ(p_i), out = p_L (+ k).
-    d_k = d_out.clone() if cfg.residual else torch.zeros_like(a[0])
+    d_k = d_out.clone() if rule.residual else torch.zeros_like(a[0])
     d_p[-1] = d_out
     for i in range(depth - 1, -1, -1):
         w_left[i].append(a[i])
@@ -368,7 +381,7 @@ def _chunk_backward(
             d_k += d_a[0]
 
     d_c[:, -1] += d_c_n
-    return ChunkGrads(d_q, d_k, d_v, d_theta, ChunkDecays(d_beta, d_c, d_D, d_E_last, d_e_n))
+    return ChunkGrads(ScanInputs(d_q, d_k, d_v, d_theta, d_gate), ChunkDecays(d_beta, d_c, d_D, d_E_last, d_e_n))
 
 
 # --- the scan over chunks ----------------------------------------------------------------------------
@@ -458,10 +471,10 @@ def _bound_state(cfg: ScanConfig, state: State, scales: Tensor, bound: Tensor) -
     `_next_norm_bound`) bounds the matrices' norms from above: a matrix is read for its norm only where the bound
     reaches its ball (almost never), so the rule costs no pass over the state. Returns the bound after the chunk."""
     for i, t in enumerate(state):
-        limit = cfg.max_state_norm * t.shape[-1] ** 0.5
+        limit = cfg.rule.max_state_norm * t.shape[-1] ** 0.5
         always = _without_host_reads(t)
         if always or bool((bound[:, i] > limit * (1 - 1e-3)).any()):  # may be outside: measure, and bring back
-            factor = state_norm_scale(t, cfg.max_state_norm)
+            factor = state_norm_scale(t, cfg.rule.max_state_norm)
             scales[:, i] = factor.view(-1)
             bound[:, i] = torch.linalg.vector_norm(t, dim=(-2, -1)).clamp_max(limit)
             if always or bool((factor < 1).any()):
@@ -485,26 +498,36 @@ class Record(NamedTuple):
     caches: list[ChunkCache]
 
 
-def _run_chunks(cfg: ScanConfig, keep: bool, start: State, chunks: range, q, k, v, theta, blocks: list[ChunkDecays],
-                y: Tensor, slots: list[State], last: Optional[State], scales: Optional[Tensor], replay: bool = False):
-    """Run `chunks` from `start`: chunk idx ends in `slots[idx % len(slots)]`, the last one in `last` (None: not
-    computed). Where `scales` is given the state is bounded: `_bound_state` writes chunk j's factors into `scales[j]`,
-    or, with `replay` (the backward pass's recomputation), the recorded factors are applied. With `keep`, return what
-    `_backward_chunks` needs (a `Record`), else None."""
-    native = _native(q)
+class Outputs(NamedTuple):
+    """Where `_run_chunks` writes: the outputs y `[BH, seq, d_out]`, the state after each chunk (chunk idx of the run in
+    `slots[idx % len(slots)]`, the last one in `last`; None: not computed) and, where the state is bounded, each
+    chunk's factors (`scales` `[chunks, BH, len(state)]`, None where it is not)."""
+
+    y: Tensor
+    slots: list[State]
+    last: Optional[State]
+    scales: Optional[Tensor]
+
+
+def _run_chunks(cfg: ScanConfig, x: ScanInputs, blocks: list[ChunkDecays], chunks: range, start: State, out: Outputs,
+                keep: bool, replay: bool = False):
+    """Run `chunks` from the state `start` into `out`. Where `out.scales` is given the state is bounded: `_bound_state`
+    writes chunk j's factors into `scales[j]`, or, with `replay` (the backward pass's recomputation), the recorded
+    factors are applied. With `keep`, return what `_backward_chunks` needs (a `Record`), else None."""
+    native = _native(x.q)
     if native is not None:
-        record = native.run_chunks(cfg.chunk_size, cfg.activation, cfg.residual, cfg.max_grad_norm,
-                                   cfg.max_state_norm, cfg.normalize_chunk, cfg.hidden_step, cfg.record, keep, start,
-                                   chunks.start, chunks.stop, q, k, v, theta, [list(b) for b in blocks], y, slots,
-                                   last or [], scales, replay)
+        record = native.run_chunks(native_config(cfg), native.ScanInputs(*x), [list(b) for b in blocks],
+                                   (chunks.start, chunks.stop), start,
+                                   native.ScanOutputs(out.y, out.slots, out.last or [], out.scales), keep, replay)
         return record if keep else None
+    y, slots, last, scales = out
     starts, caches, cur = [], [], start
     bound = _state_norms(start) if scales is not None and not replay else None
     for idx, j in enumerate(chunks):
-        s, e = _bounds(j, q.shape[1], cfg.chunk_size)
+        s, e = _bounds(j, x.q.shape[1], cfg.chunk_size)
         nxt = slots[idx % len(slots)] if j + 1 < chunks.stop else last
         dec = _decays_of(blocks, j)
-        cache = _chunk_forward(cfg, cur, q[:, s:e], k[:, s:e], v[:, s:e], theta[:, s:e], dec, y[:, s:e], nxt)
+        cache = _chunk_forward(cfg, cur, x.span(s, e), dec, y[:, s:e], nxt)
         if nxt is not None and scales is not None:
             if replay:
                 _scale_rows(nxt, scales[j])
@@ -517,17 +540,17 @@ def _run_chunks(cfg: ScanConfig, keep: bool, start: State, chunks: range, q, k, 
     return Record(chunks.start, starts, caches) if keep else None
 
 
-def _backward_chunks(cfg: ScanConfig, record, theta: Tensor, blocks: list[ChunkDecays], d_blocks: list[ChunkDecays],
-                     dy: Tensor, d_end: State, targets: list[State], d_q: Tensor, d_k: Tensor, d_v: Tensor,
-                     d_theta: Tensor, scales: Optional[Tensor]) -> None:
+def _backward_chunks(cfg: ScanConfig, record, x: ScanInputs, blocks: list[ChunkDecays], d_blocks: list[ChunkDecays],
+                     dy: Tensor, d_end: State, targets: list[State], grads: ScanInputs,
+                     scales: Optional[Tensor]) -> None:
     """The recorded chunks in reverse: the i-th from the end writes the gradient of its starting state into
     `targets[i]`, given that of its end state (`d_end`, then the previous target; scaled in place by the chunk's
-    `scales` where the state is bounded), and its rows of d_q, d_k, d_v, d_theta and of the decays' gradients
+    `scales` where the state is bounded), and its rows of the inputs' gradients `grads` and of the decays' gradients
     `d_blocks`."""
     if not isinstance(record, Record):
-        _native(dy).backward_chunks(cfg.chunk_size, cfg.activation, cfg.residual, cfg.max_grad_norm, record, theta,
-                                    [list(b) for b in blocks], [list(b) for b in d_blocks], dy, d_end, targets, d_q,
-                                    d_k, d_v, d_theta, scales)
+        native = _native(dy)
+        native.backward_chunks(native_config(cfg), record, native.ScanInputs(*x), [list(b) for b in blocks],
+                               [list(b) for b in d_blocks], dy, d_end, targets, native.ScanInputs(*grads), scales)
         return
     d_cur = d_end
     for i, idx in enumerate(range(len(record.caches) - 1, -1, -1)):
@@ -535,12 +558,36 @@ def _backward_chunks(cfg: ScanConfig, record, theta: Tensor, blocks: list[ChunkD
         s, e = _bounds(j, dy.shape[1], cfg.chunk_size)
         if scales is not None:
             _scale_rows(d_cur, scales[j])
-        grads = _chunk_backward(cfg, record.starts[idx], record.caches[idx], theta[:, s:e], _decays_of(blocks, j),
+        chunk = _chunk_backward(cfg, record.starts[idx], record.caches[idx], x.theta[:, s:e], _decays_of(blocks, j),
                                 dy[:, s:e], d_cur, targets[i])
-        d_q[:, s:e], d_k[:, s:e], d_v[:, s:e], d_theta[:, s:e] = grads.q, grads.k, grads.v, grads.theta
-        for dst, src in zip(_decays_of(d_blocks, j), grads.decays):
+        for dst, src in zip(grads, chunk.inputs):
+            if dst is not None:
+                dst[:, s:e] = src
+        for dst, src in zip(_decays_of(d_blocks, j), chunk.decays):
             dst.copy_(src)
         d_cur = targets[i]
+
+
+@functools.lru_cache(maxsize=256)
+def native_config(cfg: ScanConfig):
+    """The C++ loop's config (`kernels/scan.cpp`, `Config`) of a scan: the one place the rule crosses to C++. A loss the
+    C++ loop lacks is refused here, naming the implementations that serve it."""
+    module = kernels()
+    rule = cfg.rule
+    native = module.ScanConfig()
+    native.chunk_size = cfg.chunk_size
+    native.gelu = {"gelu": True, "silu": False}[rule.activation]
+    native.residual = rule.residual
+    native.max_grad_norm = rule.max_grad_norm
+    native.max_state_norm = rule.max_state_norm
+    native.normalize_chunk = rule.normalize_chunk
+    native.hidden_step = float(rule.hidden_step)
+    native.record = cfg.record
+    if rule.loss.name not in module.LOSSES:
+        raise ValueError(f"the fused scan's C++ loop has no {rule.loss.name} loss (kernels/losses.h): use "
+                         "parallel_memory(..., implementation='autograd'), or fused.NATIVE = False for the Python loop")
+    native.set_loss(rule.loss.name, *rule.loss.native_params(), rule.loss.has_gate)
+    return native
 
 
 def refuse_double_backward(name: str) -> None:
@@ -553,7 +600,8 @@ def refuse_double_backward(name: str) -> None:
 
 
 class MemoryScan(torch.autograd.Function):
-    """(q, k, v, θ, η, α, W_1, S_1, …) -> (y, W_1', S_1', …), all `[BH, …]`; see the module docstring.
+    """(q, k, v, θ, η, α, loss gate or None, W_1, S_1, …) -> (y, W_1', S_1', …), all `[BH, …]`; see the module
+    docstring.
 
     Recording for the backward pass, the chunks form groups (`ScanConfig.group_chunks`). With one group,
     the forward pass keeps every chunk's state and cache (in a pooled buffer) and the backward pass
@@ -561,7 +609,8 @@ class MemoryScan(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, cfg: ScanConfig, q, k, v, theta, eta, alpha, *state):  # type: ignore[override]
+    def forward(ctx, cfg: ScanConfig, q, k, v, theta, eta, alpha, loss_gate, *state):  # type: ignore[override]
+        x = ScanInputs(q, k, v, theta, loss_gate)
         num_chunks = -(-q.shape[1] // cfg.chunk_size)
         blocks = _block_decays(eta, alpha, cfg.chunk_size)
         groups = _groups(num_chunks, cfg.group_chunks) if cfg.record else [range(num_chunks)]
@@ -569,13 +618,13 @@ class MemoryScan(torch.autograd.Function):
         template = list(state)
         ctx.kept = None
         # Factors of the bounded state, per chunk, row and state matrix (1 where a matrix was within its ball).
-        scales = q.new_ones(num_chunks, q.shape[0], len(state)) if cfg.max_state_norm is not None else None
+        scales = q.new_ones(num_chunks, q.shape[0], len(state)) if cfg.rule.max_state_norm is not None else None
         ctx.scales = scales
         if cfg.record and len(groups) == 1:
             buf = _acquire(max(num_chunks - 1, 1) * _state_numel(template), q)
             final = _fresh_like(template)
-            record = _run_chunks(cfg, True, template, groups[0], q, k, v, theta, blocks, y,
-                                 _carve(buf, template, num_chunks - 1), final, scales)
+            record = _run_chunks(cfg, x, blocks, groups[0], template,
+                                 Outputs(y, _carve(buf, template, num_chunks - 1), final, scales), keep=True)
             ctx.kept = (buf, record)
             boundaries: list[Tensor] = []
         else:
@@ -588,7 +637,7 @@ class MemoryScan(torch.autograd.Function):
                 # Chunks alternate between the two slots; a group's end state is fresh memory (saved as the next
                 # group's boundary, or returned).
                 last = _fresh_like(template)
-                _run_chunks(cfg, False, cur, chunks, q, k, v, theta, blocks, y, slots, last, scales)
+                _run_chunks(cfg, x, blocks, chunks, cur, Outputs(y, slots, last, scales), keep=False)
                 cur = last
             final = cur
             _release(buf)
@@ -597,7 +646,7 @@ class MemoryScan(torch.autograd.Function):
             # An output the loss does not use (in training, usually the final state) gets None in the backward pass
             # instead of a state-sized tensor of zeros that would only be copied.
             ctx.set_materialize_grads(False)
-            ctx.save_for_backward(q, k, v, theta, eta, alpha, *state, *boundaries)
+            ctx.save_for_backward(q, k, v, theta, eta, alpha, loss_gate, *state, *boundaries)
         return (y, *final)
 
     @staticmethod
@@ -610,7 +659,8 @@ class MemoryScan(torch.autograd.Function):
     @without_autocast
     def _backward(ctx, dy, *d_final):
         cfg: ScanConfig = ctx.cfg
-        q, k, v, theta, eta, alpha, *saved = ctx.saved_tensors
+        q, k, v, theta, eta, alpha, loss_gate, *saved = ctx.saved_tensors
+        x = ScanInputs(q, k, v, theta, loss_gate)
         n = ctx.n_state
         boundaries = [list(saved[i : i + n]) for i in range(0, len(saved), n)]  # first: the input state
         template = boundaries[0]
@@ -634,28 +684,28 @@ class MemoryScan(torch.autograd.Function):
         for t, d in zip(d_cur, d_final):
             t.zero_() if d is None else t.copy_(d)
         dy = q.new_zeros(q.shape[:2] + (v.shape[2],)) if dy is None else dy.contiguous()
-        d_q, d_k, d_v, d_theta = (torch.empty_like(t) for t in (q, k, v, theta))
+        grads = ScanInputs(*(None if t is None else torch.empty_like(t) for t in x))
         y_scratch = torch.empty_like(dy) if kept is None else None
 
         flip = 1
         for g in range(len(groups) - 1, -1, -1):
             chunks = groups[g]
-            record = kept[1] if kept is not None else _run_chunks(cfg, True, boundaries[g], chunks, q, k, v, theta,
-                                                                  blocks, y_scratch, recompute_slots, None, ctx.scales,
-                                                                  replay=True)
+            record = kept[1] if kept is not None else _run_chunks(
+                cfg, x, blocks, chunks, boundaries[g], Outputs(y_scratch, recompute_slots, None, ctx.scales), keep=True,
+                replay=True)
             # The first chunk's gradient leaves the function: fresh memory, not the workspace.
             targets = []
             for j in reversed(chunks):
                 targets.append(_fresh_like(template) if j == 0 else d_slots[flip])
                 flip = 1 - flip
-            _backward_chunks(cfg, record, theta, blocks, d_blocks, dy, d_cur, targets, d_q, d_k, d_v, d_theta,
-                             ctx.scales)
+            _backward_chunks(cfg, record, x, blocks, d_blocks, dy, d_cur, targets, grads, ctx.scales)
             d_cur = targets[-1]
             del record
         _release(buf)
         if kept is not None:
             _release(kept[0])
 
-        outs = [x for block in graph_blocks for x in block]
-        d_eta, d_alpha = torch.autograd.grad(outs, (eta_, alpha_), [x for b in d_blocks for x in b])
-        return (None, d_q, d_k, d_v, d_theta, d_eta, d_alpha, *d_cur)
+        outs = [t for block in graph_blocks for t in block]
+        d_eta, d_alpha = torch.autograd.grad(outs, (eta_, alpha_), [t for b in d_blocks for t in b])
+        d_q, d_k, d_v, d_theta, d_gate = grads
+        return (None, d_q, d_k, d_v, d_theta, d_eta, d_alpha, d_gate, *d_cur)

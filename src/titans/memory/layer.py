@@ -6,17 +6,17 @@
         state kept in its ball at every chunk end
     output = W_o (RMSNorm(y) ⊙ SiLU(x W_g))
 
-The normalised v and x̂, the two bounds, the normalised chunk step and the bounded momentum gain are the library's
-default rule, not the paper's (DESIGN.md §1, "Stable by default"; `normalize_inputs=False, max_grad_norm=None,
-max_state_norm=None, normalize_chunk=False, max_momentum_step=None` is the paper's). All projections, gates, convs
-and the initial memory weights W_0 are ordinary parameters trained by the outer loop through the inner updates.
+The update is the layer's `MemoryRule` (`rule.py`): the normalised v and x̂, the two bounds, the normalised chunk step
+and the bounded momentum gain are the library's default rule, not the paper's (DESIGN.md §1, "Stable by default";
+`MemoryRule.paper()` is the paper's). All projections, gates, convs and the initial memory weights W_0 are ordinary
+parameters trained by the outer loop through the inner updates.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, Literal, Optional, Union
+from typing import NamedTuple, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -24,15 +24,25 @@ from torch import Tensor, nn
 
 from ..layers.conv import CausalDepthwiseConv, causal_depthwise_conv
 from ..layers.state import check_state_shapes, check_state_type, states_trusted
-from .checks import Alpha
+from .checks import Alpha, Theta
 from .delta import delta_rule_memory
-from .mlp import ACTIVATIONS, Weights, memory_apply
-from .parallel import IMPLEMENTATIONS, parallel_memory
+from .mlp import Weights, memory_apply
+from .parallel import DEFAULT_RULE, IMPLEMENTATIONS, parallel_memory
+from .rule import MemoryRule, momentum_bound
 from .step import memory_token_step
 
 
 def logit(p: float) -> float:
     return math.log(p / (1.0 - p))
+
+
+class Gates(NamedTuple):
+    """θ, η, α and the loss's gate of a run of tokens, as `NeuralMemory` computes them for the functional core."""
+
+    theta: Theta
+    eta: Tensor
+    alpha: Alpha
+    loss_gate: Optional[Tensor]
 
 
 @dataclasses.dataclass
@@ -62,61 +72,32 @@ class NeuralMemory(nn.Module):
 
     Args:
         dim: model width; split into `heads` memories of width dim // heads.
+        heads: memories side by side, each its own recurrence.
         depth: layers of the memory MLP (1 = matrix memory).
         expansion: hidden width of the memory MLP as a multiple of the head width.
         chunk_size: tokens whose gradients share the chunk's starting weights (paper §3.2).
-        max_lr: θ_max, the bound on the inner learning rate.
-        activation: σ inside the memory MLP ("gelu" or "silu").
-        momentum: False sets η = 0 (no past surprise); with depth=1, residual=False, gradients="token" this is
-            Gated DeltaNet.
-        forgetting: False sets α = 0 (no forgetting: the paper's "w/o weight decay" ablation).
-        forgetting_channels: α per channel (the paper's later version): every memory layer's output columns forget
-            at their own data-dependent rate, W_i ← W_i diag(1 − α_t,i) + S_i, instead of one α_t per token and head.
-            Served by the autograd chunk path (the fused kernels take the scalar gate).
-        gates: "data" (θ_t, η_t, α_t from x_t, the paper's data-dependent gates) or "constant" (θ, η, α fixed at
-            init_theta, init_eta, init_alpha and not trained, the proof-of-concept's ablation).
-        residual: M(x) = x + MLP(x) (not in the paper; it cost recall, DESIGN.md §1); False (default): the paper's
-            M(x) = MLP(x), with depth=1 its linear memory M(x) = x W.
+        rule: the update (`MemoryRule`, DESIGN.md §1): the inner loss, activation, residual, the bounds, the normalised
+            chunk step, the hidden layers' step, κ, and how the gates are made (momentum, forgetting, per-channel α,
+            data or constant gates, θ_max and the gates' initial values, normalised inputs, the surprise gate, chunk
+            pooling, per-token gradients: the exact delta rule, which needs depth 1). Default: the library's stable
+            rule; `MemoryRule.paper()` is the paper's. Where the rule's loss takes a gate (Huber with `gated`), its
+            per-token parameter is one more gate per head, computed from x like θ, η and α.
         conv_kernel: width of the causal depthwise convs on q, k, v.
-        gate_pooling: "token" (per-token θ, η, α) or "chunk" (each chunk uses its first token's gates,
-            constant within the chunk and known when the chunk starts, so still causal).
-        surprise_gate: θ_t = max_lr · sigmoid(x_t w_θ + b_θ + w_s log(1 + surprise_t)), surprise_t being the
-            memory's reconstruction error ‖M(k_t) − v_t‖² at the chunk's starting weights.
-        init_theta: θ at initialisation (default 0.2 max_lr).
-        init_eta: momentum η at initialisation.
-        init_alpha: forgetting α at initialisation (the gate's bias is logit(init_alpha)); the memory keeps
-            about (1 − α)^n of what it wrote n tokens ago, so long contexts want a small value.
-        normalize_inputs: the inner loop's inputs carry no scale: values l2-normalised like the queries and keys,
-            gates read from the RMS-normalised x (not in the paper, whose values and gates take x as it comes).
-        max_state_norm: the bounded state: W_i and S_i back on ‖·‖_F ≤ max_state_norm · √d_out at every chunk end
-            (see `parallel_memory`); None: unbounded, as in the paper.
-        max_grad_norm: bound on each token's inner gradient norm (θ_t scaled by min(1, c / ‖∇ℓ_t‖), see
-            `parallel_memory`); None: the paper's unbounded step.
-        normalize_chunk: the normalised chunk step: tokens of a chunk whose gradients overlap share one step instead
-            of each taking its own (see `parallel_memory`); False: the paper's sum of the chunk's gradients.
-        hidden_step: ρ, the inner step of every memory layer but the last as a fraction of θ (see
-            `parallel_memory`); 1 is the paper's rule, 0 keeps the hidden layers at their learned W_0 at test time.
-        max_momentum_step: κ, a bound on the momentum's gain: θ_t ≤ κ (1 − η_t). Eqs. 13-14 are a heavy ball, and
-            once the surprise has built up a token's gradient moves the memory about θ_t / (1 − η_t); a memory whose
-            gates learn a large θ and an η near 1 together overshoots and rings, bounded forward by the state's
-            ball but expansive backward (DESIGN.md §1, the backward's open item). It binds only where both gates
-            are high, and acts on θ before any chunk path, so every implementation and the token-by-token
-            reference see the same θ. Default κ = 1 (it cost nothing measured and removed `lm`'s one spike); None:
-            the paper's free gates. Constant gates (`gates="constant"`) are the numbers given and are not bounded.
-        learned_init: the memory's initial weights W_0 are parameters of the outer loop (default; the paper is
-            silent); False leaves them as initialised (last layer 0), so a read returns only what was written.
-        gradients: where each token's inner gradient is taken: "chunk" (at its chunk's starting weights, the
-            paper's parallelisable mini-batch form) or "token" (at the weights the previous token left: exact
-            online gradient descent, the gated delta rule; needs depth=1, momentum=False, no surprise gate
-            and none of max_grad_norm, max_state_norm, normalize_chunk; chunk_size then sets only the cost, see
-            `delta.py`).
         checkpoint_chunks: chunks per recomputation group in training. None (default) chooses: every
             chunk's state is kept up to 64 chunks, beyond that groups of ⌈√chunks⌉ chunks are recomputed in the
             backward pass, so training holds O(√T) states instead of one per chunk; 0 disables it.
+        learned_init: the memory's initial weights W_0 are parameters of the outer loop (default; the paper is
+            silent); False leaves them as initialised (last layer 0), so a read returns only what was written.
         implementation: which `parallel_memory` implementation runs the chunk loop ("fused", "triton", "autograd",
             "compile"); None (default): `parallel.serving_implementation` decides ("triton" on CUDA where it serves
             the call, else "fused"; "compile" only when asked for). Numbers only, not the model: every
             implementation computes the same rule.
+
+    The gates (DESIGN.md §1): θ_t = max_lr · sigmoid(x̂_t w_θ + b_θ) (+ w_s log(1 + ℓ_t) with the surprise gate),
+    η_t = sigmoid(x̂_t w_η + b_η) (0 without momentum), α_t = sigmoid(x̂_t w_α + b_α) (0 without forgetting; one per
+    output column of every layer with `forgetting_channels`), each bias starting at its `init_*` value; with
+    `gate_pooling="chunk"` each chunk uses its first token's gates (constant within the chunk and known when it starts,
+    so still causal); with `gates="constant"` they are the `init_*` values for every token, not trained.
     """
 
     def __init__(
@@ -126,31 +107,15 @@ class NeuralMemory(nn.Module):
         depth: int = 2,
         expansion: int = 4,
         chunk_size: int = 16,
-        max_lr: float = 1.0,
-        activation: str = "gelu",
-        momentum: bool = True,
-        forgetting: bool = True,
-        forgetting_channels: bool = False,
-        gates: Literal["data", "constant"] = "data",
-        residual: bool = False,
+        rule: MemoryRule = DEFAULT_RULE,
         conv_kernel: int = 4,
-        gate_pooling: Literal["token", "chunk"] = "token",
-        surprise_gate: bool = False,
         checkpoint_chunks: Optional[int] = None,
-        init_theta: Optional[float] = None,
-        init_eta: float = 0.1,
-        init_alpha: float = 1e-5,
-        max_grad_norm: Optional[float] = 4.0,
-        gradients: Literal["chunk", "token"] = "chunk",
-        normalize_inputs: bool = True,
-        max_state_norm: Optional[float] = 10.0,
-        normalize_chunk: bool = True,
-        hidden_step: float = 1.0,
-        max_momentum_step: Optional[float] = 1.0,
         learned_init: bool = True,
         implementation: Optional[str] = None,
     ):
         super().__init__()
+        if not isinstance(rule, MemoryRule):
+            raise ValueError(f"rule must be a MemoryRule (titans.memory.MemoryRule), got {type(rule).__name__}")
         if implementation is not None and implementation not in IMPLEMENTATIONS:
             raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None, got {implementation!r}")
         if dim < 1 or heads < 1 or dim % heads:
@@ -161,66 +126,26 @@ class NeuralMemory(nn.Module):
             raise ValueError(f"expansion must be >= 1, got {expansion}")
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-        if not max_lr > 0:
-            raise ValueError(f"max_lr must be > 0, got {max_lr}")
-        if not 0 < init_alpha < 1:
-            raise ValueError(f"init_alpha must be in (0, 1), got {init_alpha}")
-        if not 0 < init_eta < 1:
-            raise ValueError(f"init_eta must be in (0, 1), got {init_eta}")
-        init_theta = 0.2 * max_lr if init_theta is None else init_theta
-        if not 0 < init_theta < max_lr:
-            raise ValueError(f"init_theta must be in (0, max_lr = {max_lr}), got {init_theta}")
-        if max_grad_norm is not None and not 0 < max_grad_norm < float("inf"):
-            raise ValueError(f"max_grad_norm must be a positive finite number or None, got {max_grad_norm}")
-        if activation not in ACTIVATIONS:
-            raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
-        if gate_pooling not in ("token", "chunk"):
-            raise ValueError(f"gate_pooling must be 'token' or 'chunk', got {gate_pooling!r}")
-        if not 0 <= hidden_step <= 1:
-            raise ValueError(f"hidden_step must be in [0, 1], got {hidden_step}")
-        if max_momentum_step is not None and not 0 < max_momentum_step < float("inf"):
-            raise ValueError(f"max_momentum_step must be a positive finite number or None, got {max_momentum_step}")
-        if gates not in ("data", "constant"):
-            raise ValueError(f"gates must be 'data' or 'constant', got {gates!r}")
-        if gates == "constant" and surprise_gate:
-            raise ValueError("gates='constant' fixes θ, so it cannot be combined with surprise_gate=True")
-        if gradients not in ("chunk", "token"):
-            raise ValueError(f"gradients must be 'chunk' or 'token', got {gradients!r}")
-        if max_state_norm is not None and not 0 < max_state_norm < float("inf"):
-            raise ValueError(f"max_state_norm must be a positive finite number or None, got {max_state_norm}")
-        if gradients == "token" and (depth != 1 or momentum or surprise_gate or max_grad_norm is not None
-                                     or max_state_norm is not None or normalize_chunk or forgetting_channels):
-            raise ValueError("gradients='token' (the exact delta rule) needs depth=1, momentum=False, "
-                             "surprise_gate=False, max_grad_norm=None, max_state_norm=None, normalize_chunk=False and "
-                             f"forgetting_channels=False, got depth={depth}, momentum={momentum}, "
-                             f"surprise_gate={surprise_gate}, max_grad_norm={max_grad_norm}, "
-                             f"max_state_norm={max_state_norm}, normalize_chunk={normalize_chunk}, "
-                             f"forgetting_channels={forgetting_channels}")
+        if rule.gradients == "token" and depth != 1:
+            raise ValueError(f"rule.gradients='token' (the exact delta rule) is a matrix memory: it needs depth=1, "
+                             f"got depth={depth}")
         self.dim, self.heads, self.head_dim = dim, heads, dim // heads
-        self.depth, self.chunk_size, self.max_lr = depth, chunk_size, max_lr
-        self.activation, self.use_momentum, self.residual = activation, momentum, residual
-        self.forgetting, self.gates, self.hidden_step = forgetting, gates, hidden_step
-        self.max_momentum_step = max_momentum_step if gates == "data" else None
+        self.depth, self.chunk_size, self.rule = depth, chunk_size, rule
+        self.checkpoint_chunks, self.implementation = checkpoint_chunks, implementation
         # κ's record over training forwards: how many learned θ_t it lowered, of how many (`momentum_bound_record`)
         self.bound_lowered: Union[Tensor, int] = 0
         self.bound_gates = 0
-        self.forgetting_channels = forgetting_channels
-        self.gate_pooling, self.surprise_gate, self.checkpoint_chunks = gate_pooling, surprise_gate, checkpoint_chunks
-        self.implementation = implementation
-        self.max_grad_norm, self.max_state_norm = max_grad_norm, max_state_norm
-        self.gradients, self.normalize_inputs, self.normalize_chunk = gradients, normalize_inputs, normalize_chunk
 
         hidden = self.head_dim * expansion
         widths = [self.head_dim] + [hidden] * (depth - 1) + [self.head_dim]
-        # α per channel: one gate per output column of every layer, after θ and η
-        self.alpha_widths = tuple(widths[1:]) if forgetting_channels else (1,)
-        self.gates_per_head = 2 + sum(self.alpha_widths)  # θ, η, then α
+        # α per channel: one gate per output column of every layer, after θ and η; then the loss's gate, if it has one
+        self.alpha_widths = tuple(widths[1:]) if rule.forgetting_channels else (1,)
+        self.gates_per_head = 2 + sum(self.alpha_widths) + int(rule.loss.has_gate)  # θ, η, α, loss gate
 
         self.to_qkv = nn.Linear(dim, 3 * dim, bias=False)  # W_Q, W_K, W_V
         self.conv = CausalDepthwiseConv(3 * dim, conv_kernel)
-        self.init_gates = (init_theta, init_eta, init_alpha)
         init_logits = self.initial_gate_logits()
-        if gates == "data":  # the outer loop tunes the bias and the weights from x
+        if rule.gates == "data":  # the outer loop tunes the bias and the weights from x
             self.to_gates = nn.Linear(dim, self.gates_per_head * heads)
             with torch.no_grad():
                 self.to_gates.weight.mul_(0.1)
@@ -228,7 +153,7 @@ class NeuralMemory(nn.Module):
         else:  # constant: the same logits for every token, not parameters (float64, so θ, η, α are the constants)
             self.to_gates = None
             self.register_buffer("constant_gate_logits", init_logits, persistent=False)
-        self.surprise_weight = nn.Parameter(torch.zeros(heads)) if surprise_gate else None
+        self.surprise_weight = nn.Parameter(torch.zeros(heads)) if rule.surprise_gate else None
 
         # W_0: the last layer starts at zero, so the memory starts as M(x) = 0 (x with the residual) and reads back only
         # what it has written. With a random last layer a deep memory adds a fixed random function to every read, and at
@@ -247,11 +172,13 @@ class NeuralMemory(nn.Module):
         self.to_out = nn.Linear(dim, dim, bias=False)
 
     def initial_gate_logits(self) -> Tensor:
-        """Logits of θ, η, α per head at init (float64): every gate starts at its init_* value, the bias being its
-        logit; constant gates keep them. Also what a loader that leaves buffers empty (Hugging Face) refills."""
-        theta, eta, alpha = self.init_gates
-        alphas = [logit(alpha)] * sum(self.alpha_widths)
-        return torch.tensor([logit(theta / self.max_lr), logit(eta), *alphas],
+        """Logits of θ, η, α (and the loss's gate) per head at init (float64): every gate starts at its init_* value,
+        the bias being its logit; constant gates keep them. Also what a loader that leaves buffers empty (Hugging
+        Face) refills."""
+        rule = self.rule
+        alphas = [logit(rule.init_alpha)] * sum(self.alpha_widths)
+        loss_gate = [rule.loss.initial_gate_logit] if rule.loss.has_gate else []
+        return torch.tensor([logit(rule.initial_theta / rule.max_lr), logit(rule.init_eta), *alphas, *loss_gate],
                             dtype=torch.float64).repeat_interleave(self.heads)
 
     # ----------------------------------------------------------------------------------------- state
@@ -313,40 +240,44 @@ class NeuralMemory(nn.Module):
         """Logits of θ, η, α for every token, [B, T, gates_per_head · heads] (3 per head with a scalar α)."""
         if self.to_gates is None:
             return self.constant_gate_logits.expand(*x.shape[:2], -1)
-        return self.to_gates(F.rms_norm(x, (self.dim,)) if self.normalize_inputs else x)
+        return self.to_gates(F.rms_norm(x, (self.dim,)) if self.rule.normalize_inputs else x)
 
-    def _gate_values(self, logits: Tensor) -> tuple[Union[Tensor, Callable], Tensor, Alpha]:
-        """θ, η, α from logits [B, H, n, gates_per_head] that start at a chunk boundary (α per channel: one
-        [B, H, n, d_out] per memory layer)."""
-        if self.gate_pooling == "chunk":
+    def _gate_values(self, logits: Tensor) -> Gates:
+        """θ, η, α and the loss's gate from logits [B, H, n, gates_per_head] that start at a chunk boundary (α per
+        channel: one [B, H, n, d_out] per memory layer). θ as the gates give it: the functional core bounds it by κ
+        (`rule.bounded_theta`); here the θ_t the bound lowers are counted in training."""
+        rule = self.rule
+        if rule.gate_pooling == "chunk":
             n = logits.shape[2]
             first = torch.arange(n, device=logits.device) // self.chunk_size * self.chunk_size
             logits = logits[:, :, first]
         theta_logit, eta_logit = logits[..., 0], logits[..., 1]
-        eta = torch.sigmoid(eta_logit) if self.use_momentum else torch.zeros_like(eta_logit)
-        alpha = torch.sigmoid(logits[..., 2:]) if self.forgetting else torch.zeros_like(logits[..., 2:])
-        alpha = alpha.split(self.alpha_widths, dim=-1) if self.forgetting_channels else alpha[..., 0]
-        bound = None if self.max_momentum_step is None else self.max_momentum_step * (1 - eta)
+        eta = torch.sigmoid(eta_logit) if rule.momentum else torch.zeros_like(eta_logit)
+        alpha_logits = logits[..., 2 : 2 + sum(self.alpha_widths)]
+        alpha = torch.sigmoid(alpha_logits) if rule.forgetting else torch.zeros_like(alpha_logits)
+        alpha = alpha.split(self.alpha_widths, dim=-1) if rule.forgetting_channels else alpha[..., 0]
+        loss_gate = rule.loss.gate_from_logit(logits[..., -1]) if rule.loss.has_gate else None
+        bound = momentum_bound(rule, eta)
         if self.surprise_weight is None:
-            return self._bounded_theta(self.max_lr * torch.sigmoid(theta_logit), bound), eta, alpha
+            theta = rule.max_lr * torch.sigmoid(theta_logit)
+            self._count_bound(theta, bound)
+            return Gates(theta, eta, alpha, loss_gate)
         weight = self.surprise_weight.view(1, -1, 1)
 
         def theta(surprise: Tensor, start: int, end: int) -> Tensor:
-            value = self.max_lr * torch.sigmoid(theta_logit[:, :, start:end] + weight * torch.log1p(surprise))
-            return self._bounded_theta(value, None if bound is None else bound[:, :, start:end])
+            value = rule.max_lr * torch.sigmoid(theta_logit[:, :, start:end] + weight * torch.log1p(surprise))
+            self._count_bound(value, None if bound is None else bound[:, :, start:end])
+            return value
 
-        return theta, eta, alpha
+        return Gates(theta, eta, alpha, loss_gate)
 
-    def _bounded_theta(self, theta: Tensor, bound: Optional[Tensor]) -> Tensor:
-        """θ_t under the bound on the momentum's gain, min(θ_t, κ (1 − η_t)) (`max_momentum_step`), counted in
-        training so that a run shows where the bound acted (read on the device, no host sync here)."""
-        if bound is None:
-            return theta
-        if self.training:
+    def _count_bound(self, theta: Tensor, bound: Optional[Tensor]) -> None:
+        """Count, in training, the θ_t the bound on the momentum's gain lowers (`rule.momentum_bound`, the bound the
+        core applies), so that a run shows where it acted (read on the device, no host sync here)."""
+        if bound is not None and self.training:
             lowered = theta.detach() > bound.detach()
             self.bound_lowered = self.bound_lowered + lowered.sum()
             self.bound_gates += lowered.numel()
-        return torch.minimum(theta, bound)
 
     def momentum_bound_record(self) -> tuple[int, int]:
         """(the learned θ_t that κ lowered, the learned θ_t it bounded) over this memory's training forwards."""
@@ -369,16 +300,14 @@ class NeuralMemory(nn.Module):
     # breaks here, once per call, on purpose (the projections, gates and output around it are compiled).
     @torch.compiler.disable
     def _memory(self, q, k, v, gates, weights, momentum) -> tuple[Tensor, Weights, Weights]:
-        theta, eta, alpha = self._gate_values(gates)
-        if self.gradients == "token":  # no momentum: η is unused and the momentum state stays zero
-            y, weights = delta_rule_memory(q, k, v, theta, alpha, weights, self.chunk_size, self.residual)
+        theta, eta, alpha, loss_gate = self._gate_values(gates)
+        if self.rule.gradients == "token":  # no momentum: η is unused and the momentum state stays zero
+            y, weights = delta_rule_memory(q, k, v, theta, alpha, weights, self.chunk_size, self.rule)
             return y, weights, momentum
         return parallel_memory(
-            q, k, v, theta, eta, alpha, weights, momentum,
-            chunk_size=self.chunk_size, activation=self.activation, residual=self.residual,
-            checkpoint_chunks=self._checkpoint_group(k.shape[2]), max_grad_norm=self.max_grad_norm,
-            max_state_norm=self.max_state_norm, normalize_chunk=self.normalize_chunk, hidden_step=self.hidden_step,
-            implementation=self.implementation,
+            q, k, v, theta, eta, alpha, weights, momentum, rule=self.rule, chunk_size=self.chunk_size,
+            checkpoint_chunks=self._checkpoint_group(k.shape[2]), implementation=self.implementation,
+            loss_gate=loss_gate,
         )
 
     # -------------------------------------------------------------------------------------- forward
@@ -395,12 +324,13 @@ class NeuralMemory(nn.Module):
         q = self._queries(proj_q)
         k = F.normalize(self._split_heads(F.silu(proj_k)), dim=-1)
         v = self._split_heads(F.silu(proj_v))
-        if self.normalize_inputs:  # the inner loop sees no scale: unit values like the keys, gates from unit-RMS x
+        if self.rule.normalize_inputs:  # the inner loop sees no scale: unit values like the keys, gates from unit-RMS x
             v = F.normalize(v, dim=-1)
         gates = self._gate_logits(x).to(dtype).unflatten(-1, (self.gates_per_head, self.heads)).permute(0, 3, 1, 2)
 
         # generation: one token a step (the one-token step takes the scalar α; a channel-wise α takes the chunk path)
-        if seq == 1 and self.gradients == "chunk" and not self.forgetting_channels and not torch.is_grad_enabled():
+        if (seq == 1 and self.rule.gradients == "chunk" and not self.rule.forgetting_channels
+                and not torch.is_grad_enabled()):
             y, new_state = self._token_step(q, k, v, gates, state, conv_cache.to(dtype))
             return self._output(y, x), new_state
 
@@ -446,13 +376,10 @@ class NeuralMemory(nn.Module):
         if state.num_pending:
             k, v, gates = (torch.cat([held, new], dim=2) for held, new in
                            ((state.pending_k, k), (state.pending_v, v), (state.pending_gates, gates)))
-        theta, eta, alpha = self._gate_values(gates)
+        theta, eta, alpha, loss_gate = self._gate_values(gates)
         chunk_end = k.shape[2] == self.chunk_size
-        y, W, S = memory_token_step(
-            q, k, v, theta, eta, alpha, state.weights, state.momentum, chunk_end, activation=self.activation,
-            residual=self.residual, max_grad_norm=self.max_grad_norm, max_state_norm=self.max_state_norm,
-            normalize_chunk=self.normalize_chunk, hidden_step=self.hidden_step,
-        )
+        y, W, S = memory_token_step(q, k, v, theta, eta, alpha, state.weights, state.momentum, chunk_end, self.rule,
+                                    loss_gate)
         keep = 0 if chunk_end else k.shape[2]  # a completed chunk leaves nothing pending
         return y, MemoryState(W, S, conv_cache, k[:, :, :keep], v[:, :, :keep], gates[:, :, :keep], state.seq_pos + 1)
 
@@ -484,5 +411,5 @@ class NeuralMemory(nn.Module):
         proj_q = F.linear(x, self.to_qkv.weight[:dim])
         proj_q, query_cache = causal_depthwise_conv(proj_q, self.conv.weight[:dim], self.conv.bias[:dim], query_cache)
         q = self._queries(proj_q.to(self._state_dtype()))
-        h = memory_apply(q, self.current_weights(state), self.activation, self.residual)
+        h = memory_apply(q, self.current_weights(state), self.rule)
         return self._output(h, x), query_cache

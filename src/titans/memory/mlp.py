@@ -13,10 +13,13 @@ chunk-parallel algorithm never materialises (DESIGN.md §2).
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from .rule import MemoryRule
 
 Weights = tuple[Tensor, ...]
 
@@ -65,9 +68,9 @@ ACTIVATION_VJPS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
 }
 
 
-def memory_apply(x: Tensor, weights: Weights, activation: str = "gelu", residual: bool = False) -> Tensor:
-    """M(x; W) for x `[batch, heads, n, d]`."""
-    sigma = ACTIVATIONS[activation][0]
+def memory_apply(x: Tensor, weights: Weights, rule: Optional[MemoryRule] = None) -> Tensor:
+    """M(x; W) for x `[batch, heads, n, d]`, with the rule's activation and residual (None: the default rule's)."""
+    sigma, residual = _network(rule)
     h = x
     for i, w in enumerate(weights):
         h = h @ w
@@ -76,13 +79,21 @@ def memory_apply(x: Tensor, weights: Weights, activation: str = "gelu", residual
     return x + h if residual else h
 
 
+def _network(rule: Optional[MemoryRule]) -> tuple[Activation, bool]:
+    """(σ, residual): what of the rule the memory network itself reads."""
+    if rule is None:
+        from .rule import MemoryRule
+
+        rule = MemoryRule()
+    return ACTIVATIONS[rule.activation][0], rule.residual
+
+
 def forward_cached(
-    x: Tensor, weights: Weights, activation: str, residual: bool,
-    matmul: Callable[[Tensor, Tensor], Tensor] = torch.matmul,
+    x: Tensor, weights: Weights, rule: MemoryRule, matmul: Callable[[Tensor, Tensor], Tensor] = torch.matmul,
 ) -> tuple[Tensor, list[Tensor], list[Tensor]]:
     """M(x; W) plus each layer's input `a_{i-1}` and pre-activation `z_i` (for `backward_deltas`); `matmul` is
     the fused path's state product (`state_ops.xw`)."""
-    sigma = ACTIVATIONS[activation][0]
+    sigma, residual = _network(rule)
     inputs, preacts = [], []
     a = x
     for i, w in enumerate(weights):
@@ -94,13 +105,16 @@ def forward_cached(
     return out, inputs, preacts
 
 
-def backward_deltas(out: Tensor, v: Tensor, weights: Weights, preacts: list[Tensor], activation: str) -> list[Tensor]:
-    """δ_i = ∂ℓ/∂z_i for ℓ = Σ_j (M(k)_j − v_j)² (plain sum, no ½), per token.
+def backward_deltas(out: Tensor, v: Tensor, weights: Weights, preacts: list[Tensor], rule: MemoryRule,
+                    gate: Optional[Tensor] = None) -> list[Tensor]:
+    """δ_i = ∂ℓ/∂z_i for ℓ = Σ_j h(M(k)_j − v_j), h the rule's loss (`losses.py`; gate: its per-token parameter), per
+    token.
 
-    The residual adds the identity to ∂M/∂z_L, so δ_L = 2 (M(k) − v) with or without it.
+    The residual adds the identity to ∂M/∂z_L, so δ_L = g(M(k) − v) (2 (M(k) − v) for the squared loss) with or
+    without it.
     """
-    sigma_grad = ACTIVATIONS[activation][1]
-    delta = 2.0 * (out - v)
+    sigma_grad = ACTIVATIONS[rule.activation][1]
+    delta = rule.loss.grad(out - v, gate)
     deltas = [delta]
     for i in range(len(weights) - 1, 0, -1):
         delta = (delta @ weights[i].transpose(-1, -2)) * sigma_grad(preacts[i - 1])

@@ -35,18 +35,11 @@ from .mlp import (
     state_norm_scale,
     token_grad_sq_norm,
 )
+from .rule import MemoryRule, bounded_theta
 
+DEFAULT_RULE = MemoryRule()
 
-class Rule(NamedTuple):
-    """What the step adds to the paper's rule (`parallel_memory`'s arguments of the same names)."""
-
-    max_grad_norm: Optional[float]
-    max_state_norm: Optional[float]
-    normalize_chunk: bool
-    hidden_step: float = 1.0
-
-
-# `_chunk_step`'s signature: (state, q, k, v, θ, decays, activation, residual, rule) -> (y, state after the chunk)
+# `_chunk_step`'s signature: (state, q, k, v, θ, decays, rule, loss gate) -> (y, state after the chunk)
 ChunkStep = Callable[..., tuple[Tensor, Weights]]
 
 
@@ -61,13 +54,13 @@ def _chunk_step(
     v: Tensor,
     theta: Union[Tensor, Callable[[Tensor], Tensor]],
     decays: tuple[Decays, ...],
-    activation: str,
-    residual: bool,
-    rule: Rule,
+    rule: MemoryRule,
+    gate: Optional[Tensor],
 ) -> tuple[Tensor, Weights]:
     """One chunk: outputs y_t = M(q_t; W_t) for every token, and the state after the chunk (bounded by
-    `rule.max_state_norm`). What `implementation="compile"` compiles: tensors in, tensors out, every other argument
-    a constant of the call.
+    `rule.max_state_norm`). What `implementation="compile"` compiles: tensors in, tensors out, the rule a constant of
+    the call (a frozen pydantic model: dynamo guards on it). `gate` is the loss's per-token parameter `[b, h, n]`
+    (None for a loss without one).
 
     The state of layer i is stacked as WS_i = [W_i; S_i] (`[b, h, 2 d_in, d_out]`) so that the two
     terms β_t h W⁰ + c_t h S⁰ are one matmul of [β h, c h] against WS, and the whole state update is
@@ -76,12 +69,12 @@ def _chunk_step(
     under the paper's scalar α, or one per layer with α per output column (`channel_decays`), whose retrieval
     and update scale each column by its own decay instead.
     """
-    sigma = ACTIVATIONS[activation][0]
+    sigma = ACTIVATIONS[rule.activation][0]
     W0 = tuple(ws[..., : ws.shape[-2] // 2, :] for ws in WS)
-    out, inputs, preacts = forward_cached(k, W0, activation, residual)
-    if not isinstance(theta, Tensor):  # surprise-gated θ: the reconstruction error at W⁰
-        theta = theta(((out - v) ** 2).sum(-1))
-    deltas = backward_deltas(out, v, W0, preacts, activation)
+    out, inputs, preacts = forward_cached(k, W0, rule)
+    if not isinstance(theta, Tensor):  # surprise-gated θ: the loss ℓ_t at W⁰
+        theta = theta(rule.loss.value(out - v, gate).sum(-1))
+    deltas = backward_deltas(out, v, W0, preacts, rule, gate)
     if rule.max_grad_norm is not None:
         theta = theta * grad_norm_scale(token_grad_sq_norm(inputs, deltas), rule.max_grad_norm)
     E_theta = decays[0].E * theta.unsqueeze(-2)  # E[r,s] θ_s: momentum's part of C, shared by every layer
@@ -129,7 +122,7 @@ def _chunk_step(
             flat = torch.baddbmm(update.reshape(mix.shape[0], 2, -1), mix, ws.reshape(mix.shape[0], 2, -1))
             WS_new.append(flat.view_as(ws))
         h = sigma(z) if i < depth - 1 else z
-    y = q + h if residual else h
+    y = q + h if rule.residual else h
     return y, _bound_state(tuple(WS_new), rule.max_state_norm)
 
 
@@ -145,23 +138,30 @@ def _bound_state(WS: Weights, max_state_norm: Optional[float]) -> Weights:
     return tuple(bounded)
 
 
-def _run_chunks(
-    step: ChunkStep,
-    WS: Weights,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    theta: Theta,
-    eta: Tensor,
-    alpha: Alpha,
-    offset: int,
-    chunk_size: int,
-    activation: str,
-    residual: bool,
-    rule: Rule,
-) -> tuple[Tensor, Weights]:
-    """Process q/k/v (a whole number of chunks, or one ragged chunk) chunk after chunk, each through `step`
-    (`_chunk_step`, or its compiled form)."""
+class Tokens(NamedTuple):
+    """A call's per-token inputs, `[batch, heads, seq, ...]` (`parallel_memory`'s arguments of the same names)."""
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    theta: Theta
+    eta: Tensor
+    alpha: Alpha
+    loss_gate: Optional[Tensor]
+
+    def span(self, start: int, end: int) -> Tokens:
+        """Tokens start..end (a callable θ sees every chunk's place in the whole sequence itself)."""
+        sl = slice(start, end)
+        return Tokens(*(t[:, :, sl] for t in self[:3]), self.theta[:, :, sl] if isinstance(self.theta, Tensor)
+                      else self.theta, self.eta[:, :, sl], _alpha_slice(self.alpha, sl),
+                      None if self.loss_gate is None else self.loss_gate[:, :, sl])
+
+
+def _run_chunks(step: ChunkStep, WS: Weights, tokens: Tokens, offset: int, chunk_size: int,
+                rule: MemoryRule) -> tuple[Tensor, Weights]:
+    """Process `tokens` (a whole number of chunks, or one ragged chunk; the first at `offset` in the sequence) chunk
+    after chunk, each through `step` (`_chunk_step`, or its compiled form)."""
+    q, k, v, theta, eta, alpha, gate = tokens
     seq = k.shape[2]
     n = min(chunk_size, seq)
     chunks = seq // n
@@ -180,6 +180,7 @@ def _run_chunks(
         layer_decays = tuple(channel_decays(E, e, by_chunk(a)) for a in alpha)
     q_chunks, k_chunks, v_chunks = by_chunk(q), by_chunk(k), by_chunk(v)
     theta_chunks = by_chunk(theta) if isinstance(theta, Tensor) else None
+    gate_chunks = by_chunk(gate) if gate is not None else None
     outputs = []
     for j in range(chunks):
         step_decays = tuple(Decays(*(x[j] for x in decays)) for decays in layer_decays)
@@ -188,7 +189,8 @@ def _run_chunks(
         else:  # the surprise-gated θ sees the chunk's place in the sequence
             start = offset + j * n
             step_theta = lambda surprise, start=start: theta(surprise, start, start + n)  # noqa: E731
-        y, WS = step(WS, q_chunks[j], k_chunks[j], v_chunks[j], step_theta, step_decays, activation, residual, rule)
+        y, WS = step(WS, q_chunks[j], k_chunks[j], v_chunks[j], step_theta, step_decays, rule,
+                     None if gate_chunks is None else gate_chunks[j])
         outputs.append(y)
     return torch.cat(outputs, dim=2), WS
 
@@ -198,16 +200,17 @@ def _alpha_slice(alpha: Alpha, sl: slice) -> Alpha:
     return alpha[:, :, sl] if isinstance(alpha, Tensor) else tuple(a[:, :, sl] for a in alpha)
 
 
-def _scan_memory(scan: type[torch.autograd.Function], q, k, v, theta, eta, alpha, weights, momentum, chunk_size,
-                 activation, residual, checkpoint_chunks, rule: Rule) -> tuple[Tensor, Weights, Weights]:
-    """`parallel_memory` through `fused.MemoryScan` or `triton_chunk.TritonScan` (one contract), which work on
-    `[batch·heads, …]` contiguous tensors."""
-    batch, heads = k.shape[:2]
-    inputs = [t.reshape(batch * heads, *t.shape[2:]).contiguous() for t in (q, k, v, theta, eta, alpha)]
+def _scan_memory(scan: type[torch.autograd.Function], tokens: Tokens, weights: Weights, momentum: Weights,
+                 chunk_size: int, checkpoint_chunks: Optional[int],
+                 rule: MemoryRule) -> tuple[Tensor, Weights, Weights]:
+    """`parallel_memory` through `fused.MemoryScan` or `triton_chunk.TritonScan` (one contract: the rule in a
+    `ScanConfig`, then q, k, v, θ, η, α, the loss's gate or None, and the state), which work on `[batch·heads, …]`
+    contiguous tensors."""
+    batch, heads = tokens.k.shape[:2]
+    inputs = [None if t is None else t.reshape(batch * heads, *t.shape[2:]).contiguous() for t in tokens]
     state = [t.reshape(batch * heads, *t.shape[2:]).contiguous() for pair in zip(weights, momentum) for t in pair]
-    record = torch.is_grad_enabled() and any(t.requires_grad for t in inputs + state)
-    cfg = ScanConfig(chunk_size, activation, residual, rule.max_grad_norm, rule.max_state_norm, rule.normalize_chunk,
-                     rule.hidden_step, checkpoint_chunks, record)
+    record = torch.is_grad_enabled() and any(t.requires_grad for t in inputs + state if t is not None)
+    cfg = ScanConfig(chunk_size, rule, checkpoint_chunks, record)
     y, *final = scan.apply(cfg, *inputs, *state)
     final = [t.view(batch, heads, *t.shape[1:]) for t in final]
     return y.view(batch, heads, *y.shape[1:]), tuple(final[0::2]), tuple(final[1::2])
@@ -270,14 +273,14 @@ def _compiled_chunk_step() -> ChunkStep:
 
 
 def serving_implementation(implementation: Optional[str], q: Tensor, theta: Theta, alpha: Alpha,
-                           weights: Weights, chunk_size: int = 16) -> str:
+                           weights: Weights, chunk_size: int = 16, rule: MemoryRule = DEFAULT_RULE) -> str:
     """Which implementation runs a `parallel_memory` call: the one place that decides.
 
     None picks "triton" where the kernels serve the call (CUDA tensors, triton installed, memory depth 1 to 4, chunks
-    of at most 64 tokens: `triton_chunk.unsupported`), else "fused"; "compile" runs only
-    when asked for. A callable θ (evaluated per chunk on the chunk's surprise), a channel-wise α and an empty
-    sequence always take "autograd". "triton" or "compile" asked for where it cannot serve the call is an error
-    naming why, not a silent fallback."""
+    of at most 64 tokens, a loss they compute: `triton_chunk.unsupported`), else "fused"; "compile" runs only when
+    asked for. A callable θ (evaluated per chunk on the chunk's surprise), a channel-wise α and an empty sequence
+    always take "autograd". "triton" or "compile" asked for where it cannot serve the call is an error naming why,
+    not a silent fallback."""
     if implementation is not None and implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None, got {implementation!r}")
     if not isinstance(theta, Tensor) or not isinstance(alpha, Tensor) or q.shape[2] == 0:
@@ -287,7 +290,7 @@ def serving_implementation(implementation: Optional[str], q: Tensor, theta: Thet
     if implementation == "triton":
         scan = _triton_scan()
         reason = ("triton is not installed (pip install 'titans[gpu]')" if scan is None
-                  else scan.unsupported(q, weights, chunk_size))
+                  else scan.unsupported(q, weights, chunk_size, rule))
         if reason is not None:
             raise ValueError(f"implementation='triton' cannot serve this call: {reason}")
     if implementation is None:  # triton is imported only for CUDA tensors
@@ -295,7 +298,7 @@ def serving_implementation(implementation: Optional[str], q: Tensor, theta: Thet
             return "fused"
         scan = _triton_scan()
         reason = "triton is not installed (pip install 'titans[gpu]')" if scan is None else \
-            scan.unsupported(q, weights, chunk_size)
+            scan.unsupported(q, weights, chunk_size, rule)
         if reason is not None:
             _warn_fallback(reason)
             return "fused"
@@ -321,15 +324,12 @@ def parallel_memory(
     alpha: Alpha,
     weights: Weights,
     momentum: Optional[Weights] = None,
+    *,
+    rule: MemoryRule = DEFAULT_RULE,
     chunk_size: int = 16,
-    activation: str = "gelu",
-    residual: bool = False,
     checkpoint_chunks: Optional[int] = None,
-    max_grad_norm: Optional[float] = None,
-    max_state_norm: Optional[float] = None,
-    normalize_chunk: bool = False,
-    hidden_step: float = 1.0,
     implementation: Optional[str] = None,
+    loss_gate: Optional[Tensor] = None,
 ) -> tuple[Tensor, Weights, Weights]:
     """Run the Titans memory over a sequence; return (y, weights after the last token, momentum).
 
@@ -345,24 +345,13 @@ def parallel_memory(
             autograd path serves it, the fused kernels take the scalar gate only).
         weights: tuple of `[batch, heads, d_in, d_out]`, the memory MLP's layers at the start.
         momentum: same shapes; zeros when None.
+        rule: the update (`MemoryRule`, DESIGN.md §1): the loss, activation, residual, the bounds (max_grad_norm on
+            each token's step, max_state_norm on the state at every chunk end, max_momentum_step κ on θ where
+            `rule.gates` is "data": θ_t ← min(θ_t, κ (1 − η_t))), the normalised chunk step and the hidden layers' step
+            ρ. The default is the library's stable rule; `MemoryRule.paper()` is the paper's. Its fields that say how
+            `NeuralMemory` makes the gates (momentum, forgetting, max_lr, init_*, ...) are not read here: the gates
+            are the arguments above.
         chunk_size: tokens per chunk b; gradients of a chunk are all taken at its starting weights.
-        activation: σ between memory layers, "gelu" or "silu".
-        residual: M(x) = x + MLP(x) instead of MLP(x).
-        max_grad_norm: bound c on each token's gradient norm ‖∇ℓ_t‖ (all layers together): token t steps with
-            θ_t · min(1, c / ‖∇ℓ_t‖), so no single token can move the memory by more than θ_t c. Not in the
-            paper; it keeps the inner loop stable when the memory weights grow. None: no bound.
-        max_state_norm: the bounded state: at the end of every chunk (a ragged last one included) each layer's W_i
-            and S_i are scaled back, per batch and head, onto the ball ‖·‖_F ≤ max_state_norm · √d_out (the default
-            initialisation has ‖W_i‖_F ≈ √d_out), the scale being a constant to the outer gradient. Not in the
-            paper; with it no input or gate can make the state grow without bound. None: no bound.
-        normalize_chunk: the normalised chunk step: token s's step in the weights W_t of its chunk's token t is
-            scaled by K[t,s] = G_ss / Σ_{r≤t} |G_sr|, G the Gram matrix of the chunk's per-token gradients (all taken
-            at the chunk's starting weights, `mlp.chunk_step_norm`), so tokens whose gradients overlap share one step
-            instead of each taking its own. A constant to the outer gradient; causal; chunk size 1 is unchanged. Not in
-            the paper; without it a chunk of similar keys overshoots its own targets (DESIGN.md §1).
-        hidden_step: ρ, the step of every layer but the last as a fraction of θ_t (1: the paper's rule, every layer
-            at θ_t; 0: the hidden layers keep their weights at test time and only the last layer learns). The bounds
-            above see the whole gradient; ρ then scales the hidden layers' part of the step. Not in the paper.
         checkpoint_chunks: when autograd is recording, recompute groups of this many chunks in the backward
             pass so memory holds one state per group instead of per chunk. None: no recomputation.
         implementation: "fused" (`fused.py`: hand-written backward, reused buffers; the C++ chunk loop on CPUs),
@@ -374,30 +363,33 @@ def parallel_memory(
             chunk runs uncompiled; once differentiable). None (default): "triton" on CUDA where it serves the call,
             else "fused" (`serving_implementation`, the one place that decides; "compile" only when asked for). A
             callable θ and a channel-wise α always take the autograd path.
+        loss_gate: the loss's per-token parameter `[batch, heads, seq]` where `rule.loss` takes one (`has_gate`:
+            Huber's data-dependent δ_t, ≥ 0), else None. Differentiable like θ, η, α, through every implementation.
 
     A sequence whose length is not a multiple of `chunk_size` ends with a ragged chunk. The state is
     kept in the dtype of `weights` (use float32 there even when q/k/v are bf16).
     """
-    momentum = check_memory_args(q, k, v, theta, eta, alpha, weights, momentum, chunk_size, activation, residual,
-                                 max_grad_norm, max_state_norm, normalize_chunk, hidden_step)
-    rule = Rule(max_grad_norm, max_state_norm, normalize_chunk, float(hidden_step))
+    momentum = check_memory_args(q, k, v, theta, eta, alpha, weights, momentum, chunk_size, rule, loss_gate)
     if checkpoint_chunks is not None and (not isinstance(checkpoint_chunks, int) or checkpoint_chunks < 1):
         raise ValueError(f"checkpoint_chunks must be a positive integer or None, got {checkpoint_chunks!r}")
-    implementation = serving_implementation(implementation, q, theta, alpha, weights, chunk_size)
+    implementation = serving_implementation(implementation, q, theta, alpha, weights, chunk_size, rule)
     out_dtype = q.dtype
     state_dtype = weights[0].dtype
     if isinstance(theta, Tensor):
         theta = theta.to(state_dtype)
     eta = eta.to(state_dtype)
     alpha = alpha.to(state_dtype) if isinstance(alpha, Tensor) else tuple(a.to(state_dtype) for a in alpha)
+    loss_gate = None if loss_gate is None else loss_gate.to(state_dtype)
+    theta = bounded_theta(rule, theta, eta)  # κ, before any chunk path
     if implementation == "triton":  # the kernels read bf16 q, k, v as they are and compute in the state's dtype
-        y, W, S = _scan_memory(_triton_scan().TritonScan, q, k, v, theta, eta, alpha, weights, momentum, chunk_size,
-                               activation, residual, checkpoint_chunks, rule)
+        tokens = Tokens(q, k, v, theta, eta, alpha, loss_gate)
+        y, W, S = _scan_memory(_triton_scan().TritonScan, tokens, weights, momentum, chunk_size, checkpoint_chunks,
+                               rule)
         return y.to(out_dtype), W, S
     q, k, v = (t.to(state_dtype) for t in (q, k, v))
+    tokens = Tokens(q, k, v, theta, eta, alpha, loss_gate)
     if implementation == "fused":
-        y, W, S = _scan_memory(MemoryScan, q, k, v, theta, eta, alpha, weights, momentum, chunk_size, activation,
-                               residual, checkpoint_chunks, rule)
+        y, W, S = _scan_memory(MemoryScan, tokens, weights, momentum, chunk_size, checkpoint_chunks, rule)
         return y.to(out_dtype), W, S
     WS = tuple(torch.cat([w, s], dim=-2) for w, s in zip(weights, momentum))  # state stacked [W; S]
 
@@ -412,13 +404,10 @@ def parallel_memory(
         pieces.append((full, seq))
 
     def run(start: int, end: int, WS: Weights) -> tuple[Tensor, Weights]:
-        sl = slice(start, end)
-        th = theta[:, :, sl] if isinstance(theta, Tensor) else theta
         # The ragged last chunk runs uncompiled: its length is the sequence length modulo chunk_size, so compiling it
         # would build a graph for every remainder a caller's lengths produce (static shapes), for one chunk per call.
         step = _compiled_chunk_step() if implementation == "compile" and end - start >= chunk_size else _chunk_step
-        return _run_chunks(step, WS, q[:, :, sl], k[:, :, sl], v[:, :, sl], th, eta[:, :, sl], _alpha_slice(alpha, sl),
-                           start, chunk_size, activation, residual, rule)
+        return _run_chunks(step, WS, tokens.span(start, end), start, chunk_size, rule)
 
     outputs = []
     for start, end in pieces:

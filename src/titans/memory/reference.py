@@ -1,8 +1,9 @@
 """The plain token-by-token reference of the memory update (paper eqs. 10-14). Slow; for tests.
 
 Written to be obviously right rather than fast: every token's gradient comes from autograd
-(`torch.func.grad`), the recurrence is applied one token at a time, and nothing is vectorised over
-the sequence. `parallel_memory` must agree with it to float64 round-off.
+(`torch.func.grad`) of the loss's value (`Loss.value`, not the hand-written gradients the chunk paths use), the
+recurrence is applied one token at a time, and nothing is vectorised over the sequence. `parallel_memory` must agree
+with it to float64 round-off.
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ from torch import Tensor
 
 from .checks import Alpha, Theta, check_memory_args, without_autocast
 from .mlp import Weights, grad_norm_scale, memory_apply, state_norm_scale
+from .rule import MemoryRule, bounded_theta
+
+DEFAULT_RULE = MemoryRule()
 
 
 @without_autocast
@@ -26,26 +30,28 @@ def sequential_memory(
     alpha: Alpha,
     weights: Weights,
     momentum: Optional[Weights] = None,
+    *,
+    rule: MemoryRule = DEFAULT_RULE,
     chunk_size: int = 16,
-    activation: str = "gelu",
-    residual: bool = False,
-    max_grad_norm: Optional[float] = None,
-    max_state_norm: Optional[float] = None,
-    normalize_chunk: bool = False,
-    hidden_step: float = 1.0,
+    loss_gate: Optional[Tensor] = None,
 ) -> tuple[Tensor, Weights, Weights]:
-    """Same contract as `parallel_memory`, computed token by token."""
-    momentum = check_memory_args(q, k, v, theta, eta, alpha, weights, momentum, chunk_size, activation, residual,
-                                 max_grad_norm, max_state_norm, normalize_chunk, hidden_step)
+    """Same contract as `parallel_memory` (without its implementation and recomputation choices), token by token."""
+    momentum = check_memory_args(q, k, v, theta, eta, alpha, weights, momentum, chunk_size, rule, loss_gate)
     # ρ on every layer's step but the last (1: the paper's rule)
-    layer_steps = [hidden_step] * (len(weights) - 1) + [1.0]
+    layer_steps = [rule.layer_step(i, len(weights)) for i in range(len(weights))]
+    max_grad_norm, max_state_norm, normalize_chunk = rule.max_grad_norm, rule.max_state_norm, rule.normalize_chunk
     out_dtype, state_dtype = q.dtype, weights[0].dtype
     q, k, v = (t.to(state_dtype) for t in (q, k, v))
+    if isinstance(theta, Tensor):
+        theta = theta.to(state_dtype)
+    eta = eta.to(state_dtype)
+    gate = None if loss_gate is None else loss_gate.to(state_dtype)
+    theta = bounded_theta(rule, theta, eta)  # κ, as every implementation applies it
 
-    def token_loss(ws: Weights, k_t: Tensor, v_t: Tensor) -> Tensor:
-        # ℓ_t(W) = Σ_j (M(k_t; W)_j − v_t,j)²; summing over batch and heads is harmless because each
-        # (batch, head) owns its own weights, so the gradient w.r.t. W[b, h] sees only its own term.
-        return ((memory_apply(k_t, ws, activation, residual) - v_t) ** 2).sum()
+    def token_loss(ws: Weights, k_t: Tensor, v_t: Tensor, gate_t: Optional[Tensor]) -> Tensor:
+        # ℓ_t(W) = Σ_j h(M(k_t; W)_j − v_t,j), h the rule's loss; summing over batch and heads is harmless because
+        # each (batch, head) owns its own weights, so the gradient w.r.t. W[b, h] sees only its own term.
+        return rule.loss.value(memory_apply(k_t, ws, rule) - v_t, gate_t).sum()
 
     token_grad = torch.func.grad(token_loss)
     W, S = tuple(weights), tuple(momentum)
@@ -57,12 +63,13 @@ def sequential_memory(
         if isinstance(theta, Tensor):
             theta_chunk = theta[:, :, start:end]
         else:
-            error = memory_apply(k[:, :, start:end], W_start, activation, residual) - v[:, :, start:end]
-            surprise = (error**2).sum(-1)
+            error = memory_apply(k[:, :, start:end], W_start, rule) - v[:, :, start:end]
+            surprise = rule.loss.value(error, None if gate is None else gate[:, :, start:end]).sum(-1)
             theta_chunk = theta(surprise, start, end)
         grads, steps = [], []
         for t in range(start, end):
-            g = token_grad(W_start, k[:, :, t : t + 1], v[:, :, t : t + 1])
+            gate_t = None if gate is None else gate[:, :, t : t + 1]
+            g = token_grad(W_start, k[:, :, t : t + 1], v[:, :, t : t + 1], gate_t)
             sq_norm = sum((x**2).sum((-1, -2)) for x in g)  # ‖∇ℓ_t‖² over all layers, [b, h]
             grads.append(g)
             steps.append(theta_chunk[:, :, t - start] * grad_norm_scale(sq_norm, max_grad_norm))
@@ -92,7 +99,7 @@ def sequential_memory(
                 # eq. 12, each layer at its step (ρ θ_t for the hidden layers, θ_t for the last)
                 S = tuple(eta_t * m - rho * theta_t * g for m, g, rho in zip(S, grads[s_ - start], layer_steps))
                 W = tuple(keep * w + m for keep, w, m in zip(keep_t, W, S))  # eq. 13: W_t = (1 − α_t) W_{t-1} + S_t
-            outputs.append(memory_apply(q[:, :, t : t + 1], W, activation, residual))  # eq. 15: y_t = M(q_t; W_t)
+            outputs.append(memory_apply(q[:, :, t : t + 1], W, rule))  # eq. 15: y_t = M(q_t; W_t)
         if max_state_norm is not None:  # the bounded state: W and S back on their balls at the chunk's end
             W = tuple(w * state_norm_scale(w, max_state_norm) for w in W)
             S = tuple(s * state_norm_scale(s, max_state_norm) for s in S)

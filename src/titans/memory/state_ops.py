@@ -40,7 +40,8 @@ import torch
 from torch import Tensor
 
 _KERNELS = Path(__file__).with_name("kernels")
-_SOURCES = [_KERNELS / "state_ops.cpp", _KERNELS / "scan.cpp"]  # and state_ops.h, which both include
+_SOURCES = [_KERNELS / "state_ops.cpp", _KERNELS / "scan.cpp"]
+_HEADERS = [_KERNELS / "state_ops.h", _KERNELS / "losses.h"]  # what they include
 Rows = Union[Tensor, Sequence[Tensor]]  # a small operand, or blocks of its rows: [batch, m_j, d] stacked along m
 
 # --- the references ----------------------------------------------------------------------------------
@@ -172,8 +173,8 @@ def _build():
 
         # -march=native: the build is for this CPU; its flags are in the name so that a cache directory shared
         # with another machine never hands it a binary for other instructions.
-        # The header is in the name too: `load` rebuilds when a source changes, but does not look at headers.
-        key = " ".join(sorted(flags)).encode() + (_KERNELS / "state_ops.h").read_bytes()
+        # The headers are in the name too: `load` rebuilds when a source changes, but does not look at headers.
+        key = " ".join(sorted(flags)).encode() + b"".join(p.read_bytes() for p in _HEADERS)
         digest = hashlib.sha1(key).hexdigest()[:10]
         name = f"titans_state_ops_{digest}"
         if not _is_built(name):  # a minute of compiling should not look like a hang

@@ -7,7 +7,7 @@ memory after token t in closed form:
     W_t = β_t W⁰ + c_t S⁰ − Σ_{s≤t} C[t,s] a_sᵀ δ_s        S_t = e_t S⁰ − Σ_{s≤t} θ_s E[t,s] a_sᵀ δ_s
     y_t = M(q_t; W_t)                                       (eq. 15)
 
-with the decays of `decays.py` (C = B E diag θ, c = B e), θ_s bounded by the gradient bound and C[t,s], θ_s E[t,s]
+with the decays of `decays.py` (C = B E diag θ, c = B e), θ_s bounded by κ and the gradient bound and C[t,s], θ_s E[t,s]
 scaled by the normalised chunk step's K[t,s] (DESIGN.md §1). Only row t of those n × n matrices is needed, and W_t
 is formed once per layer (a rank-t update of a [d_in, d_out] state): one query does not need the dual form's
 scores, and the chunk path's autograd Function, workspace and C++ loop cost more than the whole step at n ≤ 16.
@@ -37,6 +37,7 @@ from .mlp import (
     state_norm_scale,
     token_grad_sq_norm,
 )
+from .rule import MemoryRule, bounded_theta
 
 
 def memory_token_step(
@@ -49,12 +50,8 @@ def memory_token_step(
     weights: Weights,
     momentum: Weights,
     chunk_end: bool,
-    activation: str = "gelu",
-    residual: bool = False,
-    max_grad_norm: Optional[float] = None,
-    max_state_norm: Optional[float] = None,
-    normalize_chunk: bool = False,
-    hidden_step: float = 1.0,
+    rule: MemoryRule,
+    loss_gate: Optional[Tensor] = None,
 ) -> tuple[Tensor, Weights, Weights]:
     """The output of a chunk's newest token, and the state after the chunk if it ends with that token.
 
@@ -64,38 +61,39 @@ def memory_token_step(
             `[batch, heads, n]`, n ≤ chunk_size); theta may be `parallel_memory`'s surprise callable.
         weights, momentum: W⁰, S⁰, the state the chunk started from (`[batch, heads, d_in, d_out]` per layer).
         chunk_end: whether the newest token completes the chunk.
-        activation, residual, max_grad_norm, max_state_norm, normalize_chunk, hidden_step: the rule, as in
-            `parallel_memory`.
+        rule: the update, as in `parallel_memory` (κ applied to θ here too).
+        loss_gate: the loss's gate of the chunk's tokens so far `[batch, heads, n]`, where the rule's loss takes one.
 
     Returns (y `[batch, heads, 1, d_out]`, weights, momentum): with `chunk_end` the state after the chunk (put back on
     its ball by the bounded state), otherwise W⁰ and S⁰ unchanged (the state advances at chunk ends only).
     """
-    out, inputs, preacts = forward_cached(k, weights, activation, residual)  # the keys at W⁰
-    if not isinstance(theta, Tensor):  # surprise-gated θ: the reconstruction error at W⁰
-        theta = theta(((out - v) ** 2).sum(-1), 0, k.shape[2])
-    deltas = backward_deltas(out, v, weights, preacts, activation)
-    if max_grad_norm is not None:
-        theta = theta * grad_norm_scale(token_grad_sq_norm(inputs, deltas), max_grad_norm)
+    theta = bounded_theta(rule, theta, eta)
+    out, inputs, preacts = forward_cached(k, weights, rule)  # the keys at W⁰
+    if not isinstance(theta, Tensor):  # surprise-gated θ: the loss ℓ_t at W⁰
+        theta = theta(rule.loss.value(out - v, loss_gate).sum(-1), 0, k.shape[2])
+    deltas = backward_deltas(out, v, weights, preacts, rule, loss_gate)
+    if rule.max_grad_norm is not None:
+        theta = theta * grad_norm_scale(token_grad_sq_norm(inputs, deltas), rule.max_grad_norm)
     decays = last_row_decays(eta, alpha)
     weight_coef = decays.D * theta  # C[t,s] = Σ_r B[t,r] E[r,s] θ_s, row t
     momentum_coef = decays.E * theta  # θ_s E[t,s]
-    if normalize_chunk:  # row t of K
+    if rule.normalize_chunk:  # row t of K
         norm = last_step_norm(inputs, deltas)
         weight_coef, momentum_coef = weight_coef * norm, momentum_coef * norm
     beta, c, e = (x[..., None, None] for x in (decays.beta, decays.c, decays.e))
     depth = len(weights)
     current, new_momentum = [], []
     for i, (w, s, a, delta) in enumerate(zip(weights, momentum, inputs, deltas)):
-        if i < depth - 1 and hidden_step != 1.0:  # the hidden layers step ρ θ, after the bounds saw the whole gradient
-            delta = delta * hidden_step
+        if rule.layer_step(i, depth) != 1.0:  # the hidden layers step ρ θ, after the bounds saw the whole gradient
+            delta = delta * rule.layer_step(i, depth)
         # Σ_s u_s a_sᵀ δ_s as one [d_in, n] × [n, d_out] product
         current.append(beta * w + c * s - (a * weight_coef.unsqueeze(-1)).transpose(-1, -2) @ delta)
         if chunk_end:
             new_momentum.append(e * s - (a * momentum_coef.unsqueeze(-1)).transpose(-1, -2) @ delta)
-    y = memory_apply(q, tuple(current), activation, residual)
+    y = memory_apply(q, tuple(current), rule)
     if not chunk_end:
         return y, weights, momentum
-    if max_state_norm is not None:  # the bounded state, at the chunk's end
-        current = [w * state_norm_scale(w, max_state_norm) for w in current]
-        new_momentum = [s * state_norm_scale(s, max_state_norm) for s in new_momentum]
+    if rule.max_state_norm is not None:  # the bounded state, at the chunk's end
+        current = [w * state_norm_scale(w, rule.max_state_norm) for w in current]
+        new_momentum = [s * state_norm_scale(s, rule.max_state_norm) for s in new_momentum]
     return y, tuple(current), tuple(new_momentum)

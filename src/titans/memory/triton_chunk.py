@@ -52,6 +52,7 @@ from torch import Tensor
 
 from .checks import without_autocast
 from .fused import ChunkDecays, ScanConfig, _block_decays, _groups, refuse_double_backward
+from .rule import MemoryRule
 
 # Set before this module is imported (`triton.jit` reads it when it decorates): the kernels run on CPU tensors, in
 # numpy.
@@ -109,9 +110,12 @@ def geometry_of(weights) -> Geometry:
     return Geometry(depth, d_in, weights[0].shape[-1] if depth > 1 else d_out, d_out)
 
 
-def unsupported(q: Tensor, weights, chunk_size: int, rule=None) -> Optional[str]:
+def unsupported(q: Tensor, weights, chunk_size: int, rule: Optional[MemoryRule] = None) -> Optional[str]:
     """Why the kernels cannot serve a call with these queries, state, chunk size (and rule), or None where they can.
     The one place that decides; `parallel.serving_implementation` asks it."""
+    if rule is not None and rule.loss.name not in LOSSES:
+        return (f"the {rule.loss.name} loss: the Triton kernels compute the {', '.join(LOSSES)} losses; "
+                "implementation='fused' or 'autograd' serves it")
     if not (q.is_cuda or (INTERPRET and q.is_cpu)):
         return (f"the tensors are on {q.device}: the Triton kernels run on CUDA tensors (or on CPU tensors under "
                 "TRITON_INTERPRET=1, set before titans.memory.triton_chunk is imported)")
@@ -962,15 +966,14 @@ PRECISIONS = {
 }
 DEFAULT_PRECISION = "ieee"
 
-# The rule's fields the kernels read. `ScanConfig` carries them; `loss` is (code, p, ε, δ) of `losses.py`'s inner loss.
+# The inner losses the kernels compute (`losses.LOSSES` by name; `unsupported` refuses the others), and their codes.
 LOSS_CODES = {"squared": 0, "huber": 1, "lp": 2}
+LOSSES = tuple(LOSS_CODES)
 
 
 def _loss_of(cfg: ScanConfig) -> tuple[int, float, float, float]:
-    """(LOSS code, p, ε, δ) of the call's inner loss; the squared loss where the config names none."""
-    loss = getattr(cfg, "loss", None)
-    if loss is None:
-        return 0, 2.0, 0.0, 1.0
+    """(LOSS code, p, ε, δ) of the rule's inner loss (`cfg.rule.loss`, `losses.py`); a gated Huber's δ is the gate."""
+    loss = cfg.rule.loss
     return (LOSS_CODES[loss.name], float(getattr(loss, "p", 2.0)), float(getattr(loss, "eps", 0.0)),
             float(getattr(loss, "delta", 1.0)))
 
@@ -979,18 +982,19 @@ def launch_of(cfg: ScanConfig, geo: Geometry, q: Tensor, state_dtype: torch.dtyp
               tiles: Optional[Tiles] = None, precision: str = "ieee") -> Launch:
     """The kernels' constexprs and run-time numbers for a call: the one place that turns the rule into them."""
     tiles = tiles or choose_tiles(geo, state_dtype, cfg.chunk_size)
+    rule = cfg.rule
     code, p, eps, delta = _loss_of(cfg)
     dt = tl.float64 if state_dtype == torch.float64 else tl.float32
     constexprs = dict(
         D_IN=geo.d_in, HID=geo.hidden, D_OUT=geo.d_out, DEPTH=geo.depth, CH=cfg.chunk_size,
-        CHP=_pow2(cfg.chunk_size), BK=tiles.BK, BN=tiles.BN, ACT=_ACTIVATION_CODES[cfg.activation],
-        RESIDUAL=cfg.residual, GRAD_BOUND=cfg.max_grad_norm is not None, STATE_BOUND=cfg.max_state_norm is not None,
-        NORMALIZE=cfg.normalize_chunk, LOSS=code, GATED=gated,
+        CHP=_pow2(cfg.chunk_size), BK=tiles.BK, BN=tiles.BN, ACT=_ACTIVATION_CODES[rule.activation],
+        RESIDUAL=rule.residual, GRAD_BOUND=rule.max_grad_norm is not None, STATE_BOUND=rule.max_state_norm is not None,
+        NORMALIZE=rule.normalize_chunk, LOSS=code, GATED=gated,
         **PRECISIONS["ieee" if state_dtype == torch.float64 else precision], DT=dt, num_warps=tiles.warps,
         num_stages=tiles.stages,
     )
-    values = [cfg.max_grad_norm or 0.0, cfg.hidden_step, p, eps, delta]
-    radii = [(cfg.max_state_norm or 0.0) * w ** 0.5 for _, w in geo.layer_shapes()]
+    values = [rule.max_grad_norm or 0.0, rule.hidden_step, p, eps, delta]
+    radii = [(rule.max_state_norm or 0.0) * w ** 0.5 for _, w in geo.layer_shapes()]
     forward = {"maxnreg": tiles.forward_maxnreg} if tiles.forward_maxnreg else {}
     return Launch(constexprs, forward, _filled(values, state_dtype, device), _filled(radii, state_dtype, device))
 
@@ -1097,7 +1101,7 @@ class TritonChunk(torch.autograd.Function):
         saved = [w.new_empty((len(groups) if len(groups) > 1 else num_chunks, *w.shape)) for _ in range(2)] \
             if cfg.record else None
         y = q.new_empty(q.shape[:2] + (v.shape[2],))
-        scales = w.new_ones(num_chunks, bh, 2 * geo.depth) if cfg.max_state_norm is not None else None
+        scales = w.new_ones(num_chunks, bh, 2 * geo.depth) if cfg.rule.max_state_norm is not None else None
         scratch = _scratch(geo, bh, chp, w)
         gate_arg = theta if gate is None else gate
         _run_forward(launch, q, k, v, theta, gate_arg, dec, w, s, saved, save_every, y, scales, scratch,
@@ -1178,5 +1182,5 @@ class TritonScan:
     """`fused.MemoryScan`'s call contract (what `parallel._scan_memory` calls) for the Triton kernels."""
 
     @staticmethod
-    def apply(cfg: ScanConfig, q, k, v, theta, eta, alpha, *state, gate: Optional[Tensor] = None):
+    def apply(cfg: ScanConfig, q, k, v, theta, eta, alpha, gate: Optional[Tensor], *state):
         return TritonChunk.apply(cfg, precision(), None, q, k, v, theta, gate, eta, alpha, *state)

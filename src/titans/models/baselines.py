@@ -29,13 +29,20 @@ def build_swa_mixer(cfg: TitansConfig) -> Attention:
     return build_window_attention(cfg)
 
 
+# What Gated DeltaNet's memory fixes of the config's rule: the exact delta rule (per-token gradients, no momentum, the
+# squared loss) with GDN's own gates, values and step. The rest (init_alpha, gate_pooling, the structure) is the
+# config's.
+GATED_DELTANET_RULE = dict(momentum=False, residual=False, gradients="token", normalize_inputs=False,
+                           max_grad_norm=None, max_state_norm=None, normalize_chunk=False, max_lr=0.5,
+                           init_theta=0.25, forgetting=True, forgetting_channels=False, gates="data",
+                           max_momentum_step=None, loss="squared")
+
+
 def build_gated_deltanet_mixer(cfg: TitansConfig) -> NeuralMemory:
     # GDN's own step: β_t = 2 θ_t ∈ (0, 1) (θ_max = 0.5), 0.5 at initialisation; its state and values as GDN has them
     # (no bounds, no normalised values: the delta rule with unit keys and β ≤ 1 never expands its state).
     # The Titans ablation switches (memory_forgetting, memory_gates) do not reach it: it keeps its own gates.
-    return build_memory(cfg, depth=1, momentum=False, residual=False, gradients="token", normalize_inputs=False,
-                        max_grad_norm=None, max_state_norm=None, normalize_chunk=False, max_lr=0.5, init_theta=0.25,
-                        forgetting=True, forgetting_channels=False, gates="data", max_momentum_step=None)
+    return build_memory(cfg, cfg.memory.rule.replace(**GATED_DELTANET_RULE), depth=1)
 
 
 @dataclasses.dataclass

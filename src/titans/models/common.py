@@ -12,24 +12,18 @@ import torch
 from torch import Tensor, nn
 
 from ..layers import Attention, RMSNorm, SwiGLU
-from ..memory import NeuralMemory
+from ..memory import MemoryRule, NeuralMemory
 from .config import TitansConfig
 
 
-def build_memory(cfg: TitansConfig, **overrides: Any) -> NeuralMemory:
-    options = dict(
-        heads=cfg.memory_heads or cfg.heads, depth=cfg.memory_depth, expansion=cfg.memory_expansion,
-        chunk_size=cfg.chunk_size, max_lr=cfg.max_lr, activation=cfg.memory_activation, momentum=cfg.momentum,
-        forgetting=cfg.memory_forgetting, forgetting_channels=cfg.memory_forgetting_channels, gates=cfg.memory_gates,
-        residual=cfg.memory_residual, hidden_step=cfg.memory_hidden_step, learned_init=cfg.memory_learned_init,
-        max_momentum_step=cfg.memory_max_momentum_step,
-        conv_kernel=cfg.conv_kernel, gate_pooling=cfg.gate_pooling, surprise_gate=cfg.surprise_gate,
-        init_theta=cfg.memory_init_theta, init_eta=cfg.memory_init_eta, init_alpha=cfg.memory_init_alpha,
-        max_grad_norm=cfg.memory_max_grad_norm, max_state_norm=cfg.memory_max_state_norm,
-        normalize_inputs=cfg.memory_normalize_inputs, normalize_chunk=cfg.memory_normalize_chunk,
-    )
-    options.update(overrides)
-    return NeuralMemory(cfg.dim, **options)
+def build_memory(cfg: TitansConfig, rule: Optional[MemoryRule] = None, **structure: Any) -> NeuralMemory:
+    """The memory of `cfg.memory`: its rule (or `rule`, for a variant that fixes its own) and its structure (`structure`
+    overriding it, e.g. depth=1)."""
+    memory = cfg.memory
+    options = dict(heads=memory.heads or cfg.heads, depth=memory.depth, expansion=memory.expansion,
+                   chunk_size=memory.chunk_size, conv_kernel=memory.conv_kernel, learned_init=memory.learned_init)
+    options.update(structure)
+    return NeuralMemory(cfg.dim, rule=memory.rule if rule is None else rule, **options)
 
 
 def build_window_attention(cfg: TitansConfig) -> Attention:

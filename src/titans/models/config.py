@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Literal, Optional, get_args
 
 from pydantic import Field, model_validator
 
 from ..config import Config
+from ..memory.rule import MemoryRule
 
 Variant = Literal["lmm", "mac", "mag", "mal", "transformer", "swa", "lstm", "gated_deltanet"]
 VARIANTS: tuple[str, ...] = get_args(Variant)
@@ -15,30 +17,99 @@ TITANS_VARIANTS = ("lmm", "mac", "mag", "mal")  # the variants with a neural lon
 # allocating the embedding table with an allocator traceback instead of an error naming the field.
 MAX_VOCAB_SIZE = 2**24
 
+class MemoryConfig(MemoryRule):
+    """The `memory:` section of a `TitansConfig`: the memory's update rule (`MemoryRule`, every field of it) and its
+    structure. `rule` is what `NeuralMemory` takes; the structure goes to its other arguments (`build_memory`)."""
+
+    depth: int = Field(2, ge=1)  # L_M (paper: 2)
+    expansion: int = Field(4, ge=1)  # hidden width of the memory MLP / head width (paper: 4)
+    heads: Optional[int] = Field(None, ge=1)  # default: the model's heads
+    chunk_size: int = Field(16, ge=1)  # memory chunk b (paper: 16)
+    # the memory's initial weights W_0 trained by the outer loop (the paper is silent); False keeps them at their
+    # initialisation (last layer 0, earlier layers random), so a read returns only what the memory wrote
+    learned_init: bool = True
+    conv_kernel: int = Field(4, ge=1)  # the causal depthwise convs on q, k, v
+
+    @model_validator(mode="after")
+    def check_structure(self) -> MemoryConfig:
+        if self.gradients == "token" and self.depth != 1:
+            raise ValueError(f"gradients='token' (the exact delta rule) is a matrix memory: it needs depth=1, got "
+                             f"depth={self.depth}")
+        return self
+
+    @functools.cached_property
+    def rule(self) -> MemoryRule:
+        return MemoryRule(**{name: getattr(self, name) for name in MemoryRule.model_fields})
+
+
+# The flat names of the memory's fields, as configs wrote them before the `memory:` section (format version 1): each
+# still reads, into its place in the section (`nest_memory_fields`).
+FLAT_MEMORY_FIELDS: dict[str, str] = {
+    "memory_depth": "depth", "memory_expansion": "expansion", "memory_heads": "heads", "chunk_size": "chunk_size",
+    "max_lr": "max_lr", "memory_init_theta": "init_theta", "memory_init_eta": "init_eta",
+    "memory_init_alpha": "init_alpha", "memory_max_grad_norm": "max_grad_norm",
+    "memory_max_state_norm": "max_state_norm", "memory_normalize_inputs": "normalize_inputs",
+    "memory_normalize_chunk": "normalize_chunk", "memory_activation": "activation", "momentum": "momentum",
+    "memory_forgetting": "forgetting", "memory_forgetting_channels": "forgetting_channels", "memory_gates": "gates",
+    "memory_residual": "residual", "memory_hidden_step": "hidden_step",
+    "memory_max_momentum_step": "max_momentum_step", "memory_learned_init": "learned_init",
+    "gate_pooling": "gate_pooling", "surprise_gate": "surprise_gate", "conv_kernel": "conv_kernel",
+}
+
+
+def nest_memory_fields(model: Any) -> Any:
+    """A model config's mapping with its flat memory fields (`memory_depth: 1`, `chunk_size: 8`) moved into its
+    `memory` section. Where a field is given both ways in one mapping, the flat one wins: it is the more specific
+    change (`cfg.replace(memory_depth=1)` lays it over a complete section). Mappings that are merged (a YAML file and
+    its overrides, an experiment's base and its rows) are nested first, so the later one wins however it is
+    spelled."""
+    if not isinstance(model, dict):
+        return model
+    memory = model.get("memory", {})
+    flat = {FLAT_MEMORY_FIELDS[key]: value for key, value in model.items() if key in FLAT_MEMORY_FIELDS}
+    if not flat and (isinstance(memory, MemoryConfig) or not isinstance(memory, MemoryRule)):
+        return model
+    if isinstance(memory, MemoryRule):  # a section, or a rule alone (the structure at its defaults), as an object
+        memory = memory.to_dict()
+    rest = {key: value for key, value in model.items() if key not in FLAT_MEMORY_FIELDS and key != "memory"}
+    return {**rest, "memory": {**memory, **flat} if isinstance(memory, dict) else memory}
+
+
 # Defaults that changed, with the value every config saved before its field existed was trained with: a saved config
-# (a checkpoint's config.yaml, a pretrained config.json, a results JSON's record) that lacks the field is read with
-# that value, not today's default (`with_earlier_defaults`). Configs written since hold every field.
+# (a checkpoint's config.yaml, a pretrained config.json, a results JSON's record) that lacks the field, in either
+# spelling, is read with that value, not today's default (`with_earlier_defaults`). Configs written since hold every
+# field, so nothing is filled into them. Paths in the nested config.
 EARLIER_DEFAULTS: dict[str, Any] = {
-    "memory_residual": True,  # the memory's k + MLP(k) until the ablations
-    "memory_max_momentum_step": None,  # the paper's gates, unbounded, until lm's MAC spike (DESIGN.md §1)
+    "memory.residual": True,  # the memory's k + MLP(k) until the ablations
+    "memory.max_momentum_step": None,  # the paper's gates, unbounded, until lm's MAC spike (DESIGN.md §1)
 }
 
 
 def with_earlier_defaults(model: dict[str, Any]) -> dict[str, Any]:
-    """A saved model config's fields, those it lacks whose default changed filled with their earlier value."""
-    return {**EARLIER_DEFAULTS, **model}
+    """A saved model config's fields (flat or nested), nested, those it lacks whose default changed filled with their
+    earlier value."""
+    model = nest_memory_fields(model)
+    filled = {**model, "memory": dict(model.get("memory") or {})} if isinstance(model.get("memory", {}), dict) \
+        else dict(model)
+    for path, value in EARLIER_DEFAULTS.items():
+        section, field = path.split(".")
+        node = filled.setdefault(section, {})
+        if isinstance(node, dict):
+            node.setdefault(field, value)
+    return filled
 
 
-# Fields a variant's model never reads: configs that differ only there build the same model (held in
-# tests/models/test_models.py), so the experiment runner reads such a run back as one. Only fields known unread.
-_NO_MEMORY = frozenset(  # the baselines without a neural memory read none of its fields
-    {"memory_residual", "mal_residual", "memory_learned_init", "memory_max_momentum_step"})
+# Fields a variant's model never reads (paths in the nested config): configs that differ only there build the same
+# model (held in tests/models/test_models.py), so the experiment runner reads such a run back as one. Only fields
+# known unread.
+_NO_MEMORY = frozenset(  # the baselines without a neural memory read none of these
+    {"memory.residual", "mal_residual", "memory.learned_init", "memory.max_momentum_step"})
 UNREAD_FIELDS: dict[str, frozenset[str]] = {
     "transformer": _NO_MEMORY,
     "swa": _NO_MEMORY,
     "lstm": _NO_MEMORY,
     # its memory fixes its own residual and gates
-    "gated_deltanet": frozenset({"memory_residual", "mal_residual", "memory_max_momentum_step"}),
+    "gated_deltanet": frozenset({"memory.residual", "mal_residual", "memory.max_momentum_step"}),
     "lmm": frozenset({"mal_residual"}),
     "mac": frozenset({"mal_residual"}),
     "mag": frozenset({"mal_residual"}),
@@ -46,10 +117,21 @@ UNREAD_FIELDS: dict[str, frozenset[str]] = {
 
 
 def unread_fields(cfg: TitansConfig) -> frozenset[str]:
-    """The model fields `cfg`'s model never reads: its variant's (`UNREAD_FIELDS`), and the bound on the momentum's
-    gain under constant gates, which are the numbers the config gives and are not bounded."""
+    """The model fields (paths, `memory.residual`) `cfg`'s model never reads: its variant's (`UNREAD_FIELDS`), and the
+    bound on the momentum's gain under constant gates, which are the numbers the config gives and are not bounded."""
     unread = UNREAD_FIELDS.get(cfg.variant, frozenset())
-    return unread | {"memory_max_momentum_step"} if cfg.memory_gates == "constant" else unread
+    return unread | {"memory.max_momentum_step"} if cfg.memory.gates == "constant" else unread
+
+
+def without_fields(model: dict[str, Any], paths: frozenset[str]) -> dict[str, Any]:
+    """A model config's mapping (nested) without the fields at `paths`."""
+    top = {path for path in paths if "." not in path}
+    nested = {tuple(path.split(".")) for path in paths if "." in path}
+    kept = {key: value for key, value in model.items() if key not in top}
+    for section, field in nested:
+        if isinstance(kept.get(section), dict):
+            kept[section] = {key: value for key, value in kept[section].items() if key != field}
+    return kept
 
 
 class TitansConfig(Config):
@@ -63,47 +145,12 @@ class TitansConfig(Config):
     window: int = Field(64, ge=1)  # sliding-window attention (swa, mag, mal)
     segment_len: int = Field(64, ge=1)  # MAC segment length C (paper: 512)
     n_persistent: int = Field(4, ge=0)  # persistent memory tokens per layer (mac, mag, mal; paper: 128 for MAC)
-    memory_depth: int = Field(2, ge=1)  # L_M (paper: 2)
-    memory_expansion: int = Field(4, ge=1)  # hidden width of the memory MLP / head width (paper: 4)
-    memory_heads: Optional[int] = Field(None, ge=1)  # default: heads
-    chunk_size: int = Field(16, ge=1)  # memory chunk b (paper: 16)
-    # θ_max (the bound on the inner step; with unit keys, θ = 0.5 writes a value exactly)
-    max_lr: float = Field(1.0, gt=0)
-    memory_init_theta: Optional[float] = Field(None, gt=0)  # θ at init, below max_lr; None: 0.2 max_lr
-    # momentum η at init (0.5 kept the memory models from learning recall)
-    memory_init_eta: float = Field(0.1, gt=0, lt=1)
-    # α at init: the memory keeps ≈ (1 − α)^n of a write after n tokens (99% at 1024)
-    memory_init_alpha: float = Field(1e-5, gt=0, lt=1)
-    # bound on each token's inner gradient norm (not in the paper); None: unbounded
-    memory_max_grad_norm: Optional[float] = Field(4.0, gt=0)
-    # the bounded state: ‖W_i‖, ‖S_i‖ ≤ this · √d_out (not in the paper); None: unbounded
-    memory_max_state_norm: Optional[float] = Field(10.0, gt=0)
-    memory_normalize_inputs: bool = True  # unit values, gates from RMS-normalised x (not in the paper)
-    memory_normalize_chunk: bool = True  # a chunk's overlapping gradients share one step (not in the paper)
-    memory_activation: Literal["gelu", "silu"] = "gelu"  # paper: GELU
-    momentum: bool = True  # η (past surprise); gated_deltanet always runs without
-    memory_forgetting: bool = True  # α (the forgetting gate); False: α = 0, the paper's "w/o weight decay"
-    # α per output channel of every memory layer (the paper's later version) instead of one per token and head
-    memory_forgetting_channels: bool = False
-    memory_gates: Literal["data", "constant"] = "data"  # constant: θ, η, α fixed at memory_init_* (not trained)
-    # M(k) = MLP(k), the paper's memory (depth 1: its linear memory k W); True adds the residual k + MLP(k), our former
-    # default, which cost recall (docs/RESULTS.md, ablations; DESIGN.md §1)
-    memory_residual: bool = False
+    # the neural memory: its update rule and structure (lmm, mac, mag, mal; gated_deltanet takes its structure and
+    # fixes its own rule); the flat names of configs written before it (memory_depth, chunk_size, ...) still read
+    memory: MemoryConfig = Field(default_factory=MemoryConfig)
     # MAL: the attention reads u + M(u) and the mixer returns M(u) + SW-Attn(norm(u + M(u))), a residual around each
     # of its two layers (DESIGN.md §3); False: eq. 31 as written, the attention reads M(u) alone
     mal_residual: bool = True
-    # ρ: the hidden memory layers' inner step as a fraction of θ (1: the paper)
-    memory_hidden_step: float = Field(1.0, ge=0, le=1)
-    # κ: θ_t ≤ κ (1 − η_t), a bound on the learned gates' momentum gain θ_t / (1 − η_t), which rang in training where
-    # θ_t and η_t rose together (not in the paper; DESIGN.md §1); None: the paper's gates. Constant gates are the
-    # config's numbers and are not bounded.
-    memory_max_momentum_step: Optional[float] = Field(1.0, gt=0)
-    # the memory's initial weights W_0 trained by the outer loop (the paper is silent); False keeps them at their
-    # initialisation (last layer 0, earlier layers random), so a read returns only what the memory wrote
-    memory_learned_init: bool = True
-    gate_pooling: Literal["token", "chunk"] = "token"
-    surprise_gate: bool = False  # θ_t = θ_max sigmoid(x_t w_θ + b_θ + w_s log(1 + surprise_t))
-    conv_kernel: int = Field(4, ge=1)
     mlp_ratio: float = Field(4.0, gt=0)  # SwiGLU hidden = mlp_ratio · dim · 2/3 before parameter matching
     match_params: bool = True  # size each variant's MLP so all variants have about the same parameters
     dropout: float = Field(0.0, ge=0, lt=1)
@@ -112,17 +159,27 @@ class TitansConfig(Config):
     # rotations only for a base above 1.
     rope_base: float = Field(10_000.0, gt=1)
 
+    @model_validator(mode="before")
+    @classmethod
+    def nest_flat_fields(cls, data: Any) -> Any:
+        """The flat memory fields of configs written before the `memory:` section, in their places in it."""
+        return nest_memory_fields(data)
+
     @model_validator(mode="after")
     def check_rules(self) -> TitansConfig:
-        """The rules between fields (each field's own range is its `Field`)."""
+        """The rules between fields (each field's own range is its `Field`, the memory's rules are its section's)."""
         if self.dim % self.heads:
             raise ValueError(f"dim ({self.dim}) must be divisible by heads ({self.heads})")
         if (self.dim // self.heads) % 2:
             raise ValueError(f"dim / heads must be even for rotary embeddings, got {self.dim // self.heads}")
-        if self.memory_heads is not None and self.dim % self.memory_heads:
-            raise ValueError(f"memory_heads ({self.memory_heads}) must divide dim ({self.dim})")
-        if self.memory_gates == "constant" and self.surprise_gate:
-            raise ValueError("memory_gates='constant' fixes θ, so it cannot be combined with surprise_gate=True")
-        if self.memory_init_theta is not None and not self.memory_init_theta < self.max_lr:
-            raise ValueError(f"memory_init_theta must be in (0, max_lr = {self.max_lr}), got {self.memory_init_theta}")
+        if self.memory.heads is not None and self.dim % self.memory.heads:
+            raise ValueError(f"memory.heads ({self.memory.heads}) must divide dim ({self.dim})")
         return self
+
+    def replace(self, **changes: Any) -> TitansConfig:
+        """A copy with `changes`, flat memory fields (`memory_depth=1`) or a `memory` mapping merged into the section
+        (`memory={"depth": 1}` changes the depth alone)."""
+        data = self.to_dict()
+        if isinstance(changes.get("memory"), dict):
+            changes = {**changes, "memory": {**data["memory"], **changes["memory"]}}
+        return type(self).from_dict({**data, **changes})

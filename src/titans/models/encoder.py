@@ -21,7 +21,7 @@ from typing import Any, Optional
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .config import TitansConfig
+from .config import TitansConfig, nest_memory_fields
 from .lm import Backbone, State
 
 
@@ -53,17 +53,20 @@ class TitansEncoder(nn.Module):
                             ("heads", heads)):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
-        memory_heads = config_overrides.pop("memory_heads", None) or heads
+        overrides = nest_memory_fields(config_overrides)
+        memory = dict(overrides.pop("memory", None) or {})
+        memory_heads = memory.pop("heads", None) or heads
         if hidden_size % heads or hidden_size % memory_heads:
             raise ValueError(f"hidden_size ({hidden_size}) must be divisible by heads ({heads}, memory {memory_heads})")
         head_width = hidden_size // memory_heads
         if memory_size is not None and memory_size < head_width:
             raise ValueError(f"memory_size ({memory_size}) must be >= the memory head width ({head_width})")
         expansion = memory_size // head_width if memory_size is not None else 4
+        memory = {"expansion": expansion, "heads": memory_heads, "momentum": momentum, "chunk_size": chunk_size,
+                  **memory}
         return TitansConfig(
             variant=variant, vocab_size=1, dim=hidden_size, depth=num_layers, heads=heads, window=window_size,
-            segment_len=window_size, memory_expansion=expansion, memory_heads=memory_heads, momentum=momentum,
-            dropout=dropout, chunk_size=chunk_size, tie_embeddings=False, **config_overrides,
+            segment_len=window_size, memory=memory, dropout=dropout, tie_embeddings=False, **overrides,
         )
 
     def hidden_states(self, x: Tensor, state: Optional[State] = None) -> tuple[Tensor, State]:

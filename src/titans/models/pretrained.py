@@ -1,6 +1,6 @@
 """The `config.json` of a saved model: one layout, read by `TitansLM.from_pretrained` and by `titans.hf`.
 
-    {"model_type": "titans", "titans_format_version": 1, "titans": {<every TitansConfig field>}}
+    {"model_type": "titans", "titans_format_version": 2, "titans": {<every TitansConfig field>}}
 
 `model_type` is what Hugging Face's `AutoConfig` dispatches on; the `titans` section is a `TitansConfig`,
 loaded strictly (an unknown field is refused, so a typo never falls back to a default). Other top-level keys
@@ -11,6 +11,12 @@ must be the behaviour of the files written before it: an older file, which lacks
 where a default changed since, with the earlier one (`EARLIER_DEFAULTS`). A
 file of a version newer than `FORMAT_VERSION` may hold fields (or meanings) this library does not know, so it
 is refused with a message saying to upgrade, not half-read.
+
+Versions: 1 wrote the memory's fields flat among the others (`memory_depth`, `chunk_size`, `max_lr`,
+`memory_residual`, ...); 2 writes them in the `memory` section (`memory: {depth, chunk_size, max_lr, residual, loss,
+...}`, `TitansConfig.memory`). A version-1 section is read by moving each flat field to its place in the section
+(`models.config.FLAT_MEMORY_FIELDS`, the same reading every config gets), those it lacks whose default changed taking
+their earlier value, and the loss, which version 1 did not have, the squared one (the only loss then).
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from typing import Any
 from .config import TitansConfig, with_earlier_defaults
 
 MODEL_TYPE = "titans"
-FORMAT_VERSION = 1  # raise it with every TitansConfig field added (see the module docstring)
+FORMAT_VERSION = 2  # raise it with every TitansConfig field added (see the module docstring)
 SECTION = "titans"
 VERSION_KEY = "titans_format_version"
 

@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal, Optional
 from pydantic import Field, PositiveInt, model_validator
 
 from ..config import Config, FromList, apply_overrides, read_yaml_mapping
-from ..models.config import TitansConfig, with_earlier_defaults
+from ..models.config import TitansConfig, nest_memory_fields, with_earlier_defaults
 from ..tasks import Task, get_task
 from .precision import Precision
 
@@ -152,9 +152,19 @@ def resume_mismatches(saved: TrainConfig, current: TrainConfig) -> list[str]:
 
 def saved_train_dict(data: Any) -> Any:
     """A saved TrainConfig's mapping (a checkpoint's config.yaml, a results JSON's record) with the model fields it
-    lacks whose default changed since filled with their earlier value (`models.config.EARLIER_DEFAULTS`)."""
+    lacks whose default changed since filled with their earlier value (`models.config.EARLIER_DEFAULTS`); the memory's
+    fields nested where it wrote them flat."""
     if isinstance(data, dict) and isinstance(data.get("model", {}), dict):
         return {**data, "model": with_earlier_defaults(data.get("model", {}))}
+    return data
+
+
+def nested_train_dict(data: Any) -> Any:
+    """A TrainConfig mapping with its model's flat memory fields moved into the `memory` section
+    (`models.config.nest_memory_fields`): what two mappings are made before one is laid over the other (a file and its
+    overrides), so that the later wins however either spells a field."""
+    if isinstance(data, dict) and isinstance(data.get("model"), dict):
+        return {**data, "model": nest_memory_fields(data["model"])}
     return data
 
 
@@ -170,7 +180,7 @@ def load_train_config(path: str | Path | None = None, overrides: list[str] | Non
             raise ValueError("a config file path or a data mapping is required")
         data = read_yaml_mapping(path)
     overrides = [item.removeprefix("train.") for item in overrides or []]
-    data = apply_overrides(data, overrides)
+    data = apply_overrides(nested_train_dict(data), overrides)
     cfg = TrainConfig.from_dict(data)
     task = get_task(cfg.task.name, **cfg.task.options)
     lengths_of = (("task.train_length", [cfg.task.train_length]), ("task.eval_lengths", cfg.task.eval_lengths))

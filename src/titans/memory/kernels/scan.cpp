@@ -11,6 +11,7 @@
 // (≤ 1e-12, values and gradients) and in float32 with the kernels. Products go through the kernels where
 // `kernel_serves` says so (the one rule, which Python's `state_ops.kernels_for` asks too); anything else through the
 // ATen products below.
+#include "losses.h"
 #include "state_ops.h"
 
 #include <ATen/Parallel.h>
@@ -29,17 +30,34 @@ using torch::Tensor;
 using State = std::vector<Tensor>;  // [W_1, S_1, W_2, S_2, …], each [BH, d_in, d_out]
 using Blocks = std::vector<std::vector<Tensor>>;  // decays of the full chunks (chunk dim 1), then of a ragged tail
 
+// fused.ScanConfig with its rule (memory/rule.py, MemoryRule), as `fused.native_config` builds it: the one place the
+// rule crosses to C++.
 struct Config {
-  int64_t chunk_size;
-  bool gelu;  // σ: gelu, else silu
-  bool residual;
+  int64_t chunk_size = 16;
+  bool gelu = true;  // σ: gelu, else silu
+  bool residual = false;
   std::optional<double> max_grad_norm;
   std::optional<double> max_state_norm;
-  bool normalize_chunk;  // the normalised chunk step (fused.ScanConfig.normalize_chunk)
-  double hidden_step;  // ρ, the step of every layer but the last as a fraction of θ (fused.ScanConfig.hidden_step)
-  bool record;  // the backward pass follows: keep σ'(p_i) (fused.ScanConfig.record)
+  bool normalize_chunk = false;  // the normalised chunk step
+  double hidden_step = 1.0;  // ρ, the step of every layer but the last as a fraction of θ
+  bool record = false;  // the backward pass follows: keep σ'(p_i) and what the loss's backward reads
+  Loss loss;  // the inner loss (losses.h)
 
   double layer_step(size_t i, size_t depth) const { return i + 1 < depth ? hidden_step : 1.0; }
+};
+
+// fused.ScanInputs: a sequence's (or a chunk's) per-token inputs, or their gradients; loss_gate undefined without one.
+struct Inputs {
+  Tensor q, k, v, theta, loss_gate;
+
+  Inputs span(int64_t t0, int64_t t1) const {
+    auto cut = [&](const Tensor& t) { return t.defined() ? t.slice(1, t0, t1) : t; };
+    return {cut(q), cut(k), cut(v), cut(theta), cut(loss_gate)};
+  }
+  Inputs rows(int64_t b0, int64_t n) const {
+    auto cut = [&](const Tensor& t) { return t.defined() ? t.narrow(0, b0, n) : t; };
+    return {cut(q), cut(k), cut(v), cut(theta), cut(loss_gate)};
+  }
 };
 
 // fused.ChunkDecays of one chunk.
@@ -187,22 +205,28 @@ Tensor sigma_grad2(const Config& cfg, const Tensor& z) {
 struct Cache {
   std::vector<Tensor> a, p, m, delta, step, dsigma, h, hW, hS, r, h_a, C_h_a;  // step: ρ_i δ_i
   Tensor theta, scale, sq_norm, norm, C, u_m;  // norm: undefined without the normalised chunk step
+  Tensor error, gate;  // e = M(k) − v where the loss's backward reads it; the loss's gate (both undefined otherwise)
 };
 
 // fused._chunk_forward: y_t into y_out and, unless new_state is null, the state after the chunk.
-Cache chunk_forward(const Config& cfg, const State& state, const Tensor& q, const Tensor& k, const Tensor& v,
-                    Tensor theta, const Decays& dec, Tensor y_out, const State* new_state) {
+Cache chunk_forward(const Config& cfg, const State& state, const Inputs& x, const Decays& dec, Tensor y_out,
+                    const State* new_state) {
   const size_t depth = state.size() / 2;
+  const auto &q = x.q, &k = x.k, &v = x.v;
+  Tensor theta = x.theta;
   Cache cc;
   cc.a.resize(depth), cc.p.resize(depth), cc.m.resize(depth), cc.delta.resize(depth), cc.dsigma.resize(depth);
-  // Keys at the chunk's starting weights: ℓ_t = ‖M(k_t) − v_t‖² (eq. 12) and its δ.
+  // Keys at the chunk's starting weights: ℓ_t = Σ_j h(M(k_t) − v_t)_j (eq. 12, h the loss) and its δ, from g = h'.
   Tensor h = k;
   for (size_t i = 0; i < depth; ++i) {
     cc.a[i] = h;
     cc.p[i] = prod_xw(h, state[2 * i]);
     h = i + 1 < depth ? sigma(cfg, cc.p[i]) : cc.p[i];
   }
-  cc.delta[depth - 1] = 2.0 * ((cfg.residual ? k + h : h) - v);
+  const auto error = (cfg.residual ? k + h : h) - v;
+  cc.delta[depth - 1] = cfg.loss.grad(error, x.loss_gate);
+  if (cfg.record && cfg.loss.needs_error()) cc.error = error;
+  cc.gate = x.loss_gate;
   for (size_t i = depth - 1; i-- > 0;) {
     cc.m[i] = prod_xwt(cc.delta[i + 1], state[2 * (i + 1)]);
     if (cfg.record) {
@@ -271,7 +295,7 @@ Cache chunk_forward(const Config& cfg, const State& state, const Tensor& q, cons
 }
 
 struct Grads {
-  Tensor q, k, v, theta;
+  Inputs inputs;  // gradients w.r.t. q, k, v, θ and the loss's gate (undefined without one)
   Decays decays;  // gradients w.r.t. the Decays fields
 };
 
@@ -348,7 +372,8 @@ Grads chunk_backward(const Config& cfg, const State& state, const Cache& cc, con
     w_left[i + 1].push_back(d_m), w_right[i + 1].push_back(cc.delta[i + 1]);
     prod_xw(d_m, state[2 * (i + 1)], d_delta[i + 1], true);
   }
-  const auto d_out = 2.0 * d_delta[depth - 1];
+  // δ_L = g(e): ∂L/∂e = ∂L/∂δ_L ⊙ g'(e) (2 ∂L/∂δ_L for the squared loss), and the loss's gate's gradient.
+  const auto [d_out, d_gate] = cfg.loss.backward(d_delta[depth - 1], cc.error, cc.gate);
   // 5. Keys.
   Tensor d_k = cfg.residual ? d_out.clone() : at::zeros_like(cc.a[0]);
   d_p[depth - 1] = d_out;
@@ -364,7 +389,7 @@ Grads chunk_backward(const Config& cfg, const State& state, const Cache& cc, con
       d_k += d_a[0];
   }
   d_c.select(1, -1).add_(d_c_n);
-  return {d_q, d_k, -d_out, d_theta, {d_beta, d_c, d_D, d_E_last, d_e_n}};
+  return {{d_q, d_k, -d_out, d_theta, d_gate}, {d_beta, d_c, d_D, d_E_last, d_e_n}};
 }
 
 // fused._state_norms: ‖·‖_F of every matrix of a state, per row [rows, state.size()].
@@ -445,7 +470,6 @@ struct ChunkRecord {
 // What the backward pass needs of a run of chunks: per slice of rows, each chunk's starting state and cache.
 struct Record {
   int64_t first_chunk = 0;
-  double hidden_step = 1.0;  // the run's ρ, for the backward pass
   std::vector<int64_t> slice_starts;  // slice s holds rows [slice_starts[s], slice_starts[s + 1])
   std::vector<std::vector<ChunkRecord>> slices;
 };
@@ -472,38 +496,32 @@ void for_slices(const std::vector<int64_t>& starts, const Body& body) {
   });
 }
 
-Config make_config(int64_t chunk_size, const std::string& activation, bool residual,
-                   c10::optional<double> max_grad_norm, c10::optional<double> max_state_norm, bool normalize_chunk,
-                   double hidden_step, bool record) {
-  TORCH_CHECK(activation == "gelu" || activation == "silu", "scan: unknown activation ", activation);
-  return {chunk_size, activation == "gelu", residual,
-          max_grad_norm ? std::optional<double>(*max_grad_norm) : std::nullopt,
-          max_state_norm ? std::optional<double>(*max_state_norm) : std::nullopt, normalize_chunk, hidden_step, record};
-}
+// fused.Outputs: where run_chunks writes (y; the state after chunk idx of the run in slots[idx % slots.size()], the
+// last one in `last`, empty: not computed; the bounded state's factors per chunk, absent where it is not bounded).
+struct Outputs {
+  Tensor y;
+  std::vector<State> slots;
+  State last;
+  c10::optional<Tensor> scales;
+};
 
-// fused._run_chunks: chunks [j0, j1) from `start`; chunk idx ends in slots[idx % len(slots)], the last one in
-// `last` (empty: not computed), bounded where `scales` is given (the recorded factors applied with `replay`). With
-// `keep`, returns every chunk's starting state and cache.
-std::shared_ptr<Record> run_chunks(int64_t chunk_size, const std::string& activation, bool residual,
-                                   c10::optional<double> max_grad_norm, c10::optional<double> max_state_norm,
-                                   bool normalize_chunk, double hidden_step, bool record, bool keep, const State& start,
-                                   int64_t j0, int64_t j1, const Tensor& q,
-                                   const Tensor& k, const Tensor& v, const Tensor& theta, const Blocks& blocks,
-                                   const Tensor& y, const std::vector<State>& slots, const State& last,
-                                   const c10::optional<Tensor>& scales, bool replay) {
-  const Config cfg =
-      make_config(chunk_size, activation, residual, max_grad_norm, max_state_norm, normalize_chunk, hidden_step,
-                  record);
+// fused._run_chunks: chunks [j0, j1) from `start` into `out`, bounded where `out.scales` is given (the recorded
+// factors applied with `replay`). With `keep`, returns every chunk's starting state and cache.
+std::shared_ptr<Record> run_chunks(const Config& cfg, const Inputs& x, const Blocks& blocks,
+                                   std::pair<int64_t, int64_t> chunks, const State& start, const Outputs& out,
+                                   bool keep, bool replay) {
+  const int64_t j0 = chunks.first, j1 = chunks.second;  // (a structured binding cannot be captured below)
+  const int64_t chunk_size = cfg.chunk_size;
+  const auto& scales = out.scales;
   auto rec = std::make_shared<Record>();
   rec->first_chunk = j0;
-  rec->hidden_step = hidden_step;
-  rec->slice_starts = slice_starts(q.size(0));
+  rec->slice_starts = slice_starts(x.q.size(0));
   rec->slices.resize(rec->slice_starts.size() - 1);
-  const int64_t seq = q.size(1);
+  const int64_t seq = x.q.size(1);
   for_slices(rec->slice_starts, [&](int64_t s, int64_t b0, int64_t b1) {
     const int64_t n = b1 - b0;
-    const auto q_ = q.narrow(0, b0, n), k_ = k.narrow(0, b0, n), v_ = v.narrow(0, b0, n);
-    const auto theta_ = theta.narrow(0, b0, n), y_ = y.narrow(0, b0, n);
+    const auto x_ = x.rows(b0, n);
+    const auto y_ = out.y.narrow(0, b0, n);
     State cur = rows_of(start, b0, b1);
     Tensor bound = scales && !replay ? state_norms(cur) : Tensor();
     for (int64_t j = j0; j < j1; ++j) {
@@ -511,12 +529,11 @@ std::shared_ptr<Record> run_chunks(int64_t chunk_size, const std::string& activa
       const int64_t idx = j - j0;
       State nxt;
       if (j + 1 < j1)
-        nxt = rows_of(slots[idx % slots.size()], b0, b1);
-      else if (!last.empty())
-        nxt = rows_of(last, b0, b1);
+        nxt = rows_of(out.slots[idx % out.slots.size()], b0, b1);
+      else if (!out.last.empty())
+        nxt = rows_of(out.last, b0, b1);
       const auto dec = chunk_decays(blocks, j, b0, b1);
-      auto cache = chunk_forward(cfg, cur, q_.slice(1, t0, t1), k_.slice(1, t0, t1), v_.slice(1, t0, t1),
-                                 theta_.slice(1, t0, t1), dec, y_.slice(1, t0, t1), nxt.empty() ? nullptr : &nxt);
+      auto cache = chunk_forward(cfg, cur, x_.span(t0, t1), dec, y_.slice(1, t0, t1), nxt.empty() ? nullptr : &nxt);
       if (!nxt.empty() && scales) {
         const auto factors = scales->select(0, j).narrow(0, b0, n);
         if (replay)
@@ -533,16 +550,12 @@ std::shared_ptr<Record> run_chunks(int64_t chunk_size, const std::string& activa
 
 // fused._backward_chunks: the recorded chunks in reverse; chunk number i from the end writes the gradient of its
 // starting state into targets[i], given that of its end state (d_end, then the previous target; scaled in place by
-// the chunk's `scales` where the state is bounded). Writes the chunks' rows of d_q, d_k, d_v, d_theta and their
-// decays' gradients into d_blocks.
-void backward_chunks(int64_t chunk_size, const std::string& activation, bool residual,
-                     c10::optional<double> max_grad_norm, const Record& rec, const Tensor& theta,
-                     const Blocks& blocks, const Blocks& d_blocks, const Tensor& dy, const State& d_end,
-                     const std::vector<State>& targets, const Tensor& d_q, const Tensor& d_k, const Tensor& d_v,
-                     const Tensor& d_theta, const c10::optional<Tensor>& scales) {
-  // The backward pass reads the normalised step's factors from the caches, not from the config, and ρ from the record.
-  const Config cfg =
-      make_config(chunk_size, activation, residual, max_grad_norm, c10::nullopt, false, rec.hidden_step, true);
+// the chunk's `scales` where the state is bounded). Writes the chunks' rows of the inputs' gradients `grads` and their
+// decays' gradients into d_blocks. (The normalised step's factors come from the caches.)
+void backward_chunks(const Config& cfg, const Record& rec, const Inputs& x, const Blocks& blocks,
+                     const Blocks& d_blocks, const Tensor& dy, const State& d_end, const std::vector<State>& targets,
+                     const Inputs& grads, const c10::optional<Tensor>& scales) {
+  const int64_t chunk_size = cfg.chunk_size;
   const int64_t count = rec.slices.empty() ? 0 : static_cast<int64_t>(rec.slices[0].size());
   TORCH_CHECK(static_cast<int64_t>(targets.size()) == count, "scan: one target state per recorded chunk");
   const int64_t seq = dy.size(1);
@@ -556,9 +569,11 @@ void backward_chunks(int64_t chunk_size, const std::string& activation, bool res
       State d_prev = rows_of(targets[count - 1 - idx], b0, b1);
       if (scales) scale_rows(d_cur, scales->select(0, j).narrow(0, b0, n));
       auto rows = [&](const Tensor& t) { return t.narrow(0, b0, n).slice(1, t0, t1); };
-      const auto g = chunk_backward(cfg, chunks[idx].start, chunks[idx].cache, rows(theta),
+      const auto g = chunk_backward(cfg, chunks[idx].start, chunks[idx].cache, rows(x.theta),
                                     chunk_decays(blocks, j, b0, b1), rows(dy), d_cur, d_prev);
-      rows(d_q).copy_(g.q), rows(d_k).copy_(g.k), rows(d_v).copy_(g.v), rows(d_theta).copy_(g.theta);
+      rows(grads.q).copy_(g.inputs.q), rows(grads.k).copy_(g.inputs.k), rows(grads.v).copy_(g.inputs.v);
+      rows(grads.theta).copy_(g.inputs.theta);
+      if (grads.loss_gate.defined()) rows(grads.loss_gate).copy_(g.inputs.loss_gate);
       const auto d = chunk_decays(d_blocks, j, b0, b1);
       d.beta.copy_(g.decays.beta), d.c.copy_(g.decays.c), d.D.copy_(g.decays.D), d.E_last.copy_(g.decays.E_last);
       d.e_last.copy_(g.decays.e_last);
@@ -570,12 +585,35 @@ void backward_chunks(int64_t chunk_size, const std::string& activation, bool res
 }  // namespace
 
 void register_scan(pybind11::module_& m) {
-  using release = pybind11::call_guard<pybind11::gil_scoped_release>;
-  pybind11::class_<Record, std::shared_ptr<Record>>(m, "ScanRecord",
-                                                    "Starting states and caches of a run of chunks, per slice of rows");
+  namespace py = pybind11;
+  using release = py::call_guard<py::gil_scoped_release>;
+  py::class_<Record, std::shared_ptr<Record>>(m, "ScanRecord",
+                                              "Starting states and caches of a run of chunks, per slice of rows");
+  py::class_<Config>(m, "ScanConfig", "fused.ScanConfig and its rule, as fused.native_config builds it")
+      .def(py::init<>())
+      .def_readwrite("chunk_size", &Config::chunk_size)
+      .def_readwrite("gelu", &Config::gelu)
+      .def_readwrite("residual", &Config::residual)
+      .def_readwrite("max_grad_norm", &Config::max_grad_norm)
+      .def_readwrite("max_state_norm", &Config::max_state_norm)
+      .def_readwrite("normalize_chunk", &Config::normalize_chunk)
+      .def_readwrite("hidden_step", &Config::hidden_step)
+      .def_readwrite("record", &Config::record)
+      .def("set_loss", [](Config& c, const std::string& name, double a, double b, bool gated) {
+        c.loss.set(name, a, b, gated);
+      }, "The loss by its name in losses.py's registry, with its native_params and whether it takes a gate");
+  py::class_<Inputs>(m, "ScanInputs", "fused.ScanInputs: q, k, v, θ and the loss's gate (None without one)")
+      .def(py::init([](Tensor q, Tensor k, Tensor v, Tensor theta, c10::optional<Tensor> gate) {
+        return Inputs{q, k, v, theta, gate ? *gate : Tensor()};
+      }));
+  py::class_<Outputs>(m, "ScanOutputs", "fused.Outputs: y, the state slots, the last state, the bound's factors")
+      .def(py::init([](Tensor y, std::vector<State> slots, State last, c10::optional<Tensor> scales) {
+        return Outputs{y, std::move(slots), std::move(last), scales};
+      }));
+  m.attr("LOSSES") = loss_names();
   m.def("run_chunks", &run_chunks, "fused._run_chunks in C++", release());
   m.def("backward_chunks", &backward_chunks, "fused._backward_chunks in C++", release());
   m.def("kernel_serves", &kernel_serves, "Whether the state kernels serve a product of `rows` rows against W",
-        pybind11::arg("W"), pybind11::arg("rows"));
+        py::arg("W"), py::arg("rows"));
   m.attr("MIN_ROWS") = kMinRows;
 }
