@@ -22,10 +22,12 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
-from titans import NeuralMemory, TitansConfig, TitansLM
+from titans import TitansConfig, TitansLM
 from titans.memory import MemoryRule, fused, parallel, parallel_memory, sequential_memory, state_ops
 from titans.memory.step import memory_token_step
 from titans.models.config import MemoryConfig
+
+from .test_layer import make_memory, run_in_pieces
 
 GOLDEN = Path(__file__).parent / "golden" / "rule_golden.safetensors"
 DT = torch.float64
@@ -155,31 +157,22 @@ def test_one_token_step_is_unchanged(golden, name, depth, seq, chunk, rule, extr
             assert_golden(golden, f"functional/{name}/step{t}/{i}", x)
 
 
-def make_memory(rule: dict, structure: dict) -> NeuralMemory:
-    torch.manual_seed(0)
-    memory = NeuralMemory(16, heads=2, chunk_size=4, rule=MemoryRule(**rule), **structure).to(DT)
-    with torch.no_grad():
-        if memory.to_gates is not None:
-            memory.to_gates.weight.normal_(0, 0.3)
-        if memory.surprise_weight is not None:
-            memory.surprise_weight.normal_(0, 1.0)
-    return memory
-
-
-def run_in_pieces(memory, x, cuts):
-    state, outputs = None, []
-    bounds = [0, *cuts, x.shape[1]]
-    for a, b in zip(bounds, bounds[1:]):
-        y, state = memory(x[:, a:b], state)
-        outputs.append(y)
-    return torch.cat(outputs, 1), state
+def assert_parameter_grads(golden, prefix: str, params: dict, grads) -> None:
+    """The gradients of a module's parameters (those the loss reaches: the same ones as before) against the file's."""
+    store = golden[0]
+    recorded = {key.removeprefix(prefix) for key in store if key.startswith(prefix)}
+    assert recorded == {name for name, g in zip(params, grads) if g is not None}
+    for name, g in zip(params, grads):
+        if g is not None:
+            assert_golden(golden, prefix + name, g)
 
 
 @pytest.mark.parametrize("name", sorted(LAYERS))
 def test_memory_layer_is_unchanged(golden, name):
     store = golden[0]
     x = store["layer/input"]
-    memory = make_memory(*LAYERS[name])
+    rule, structure = LAYERS[name]
+    memory = make_memory(**rule, **structure)  # as the script made it: seed 0, float64, the gates moved off init
     memory.train()
     y, state = memory(x)
     params = dict(memory.named_parameters())
@@ -187,11 +180,7 @@ def test_memory_layer_is_unchanged(golden, name):
                                 allow_unused=True)
     for i, t in enumerate([y, *state.weights, *state.momentum]):
         assert_golden(golden, f"layer/{name}/call/{i}", t.detach())
-    recorded = {key.removeprefix(f"layer/{name}/grad/") for key in store if key.startswith(f"layer/{name}/grad/")}
-    assert recorded == {p for p, g in zip(params, grads) if g is not None}
-    for pname, g in zip(params, grads):
-        if g is not None:
-            assert_golden(golden, f"layer/{name}/grad/{pname}", g)
+    assert_parameter_grads(golden, f"layer/{name}/grad/", params, grads)
     assert torch.equal(torch.tensor(memory.momentum_bound_record()), store[f"layer/{name}/bound_record"])
     memory.eval()
     with torch.no_grad():
@@ -216,8 +205,4 @@ def test_models_are_unchanged(golden, name):
     params = dict(model.named_parameters())
     grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
     assert_golden(golden, f"model/{name}/logits", logits.detach())
-    recorded = {key.removeprefix(f"model/{name}/grad/") for key in store if key.startswith(f"model/{name}/grad/")}
-    assert recorded == {p for p, g in zip(params, grads) if g is not None}
-    for pname, g in zip(params, grads):
-        if g is not None:
-            assert_golden(golden, f"model/{name}/grad/{pname}", g)
+    assert_parameter_grads(golden, f"model/{name}/grad/", params, grads)

@@ -10,7 +10,8 @@ tests/conftest.py for the suite): by default its results depend on the alignment
 process allocated before, and differ in the last bit between two runs of the same computation in different processes.
 
 It calls the API of that commit (loose rule arguments: `max_grad_norm=`, `normalize_chunk=`, ...), so it does not run
-against the library after the change; the test calls the same cases through the new API. Everything is float64, one
+against the library after the change; the test calls the same cases through the new API. It stands alone (its helpers
+are copies of the tests' of that commit, which it cannot import), so that it can be run again at that commit. Everything is float64, one
 torch thread, fixed seeds, tiny shapes; the inputs are stored beside the results, so the test reads the cases' inputs
 from the file instead of regenerating them. Each implementation that runs on a CPU is recorded: the fused scan with its
 chunk loop in C++ and in Python, the autograd chunk path, the compiled chunk step, the token-by-token reference, the
