@@ -13,7 +13,7 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-_EXPORTS = {"MemoryState": "memory", "NeuralMemory": "memory", "parallel_memory": "memory",
+_EXPORTS = {"MemoryRule": "memory", "MemoryState": "memory", "NeuralMemory": "memory", "parallel_memory": "memory",
             "sequential_memory": "memory", "TitansConfig": "models", "TitansEncoder": "models", "TitansLM": "models"}
 __all__ = list(_EXPORTS)
 

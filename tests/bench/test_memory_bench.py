@@ -93,3 +93,31 @@ def test_bench_compares_implementations_in_one_run(tmp_path):
     assert header.startswith("| seq | fused fwd tok/s |") and header.endswith("| fwd+bwd, autograd / fused |")
     ratio = points[1]["fwd_bwd_tok_s"] / points[0]["fwd_bwd_tok_s"]
     assert row.startswith("| 16 |") and row.endswith(f"| {ratio:.2f} |")
+
+
+def test_bench_measures_the_losses_beside_the_squared_loss_in_one_run(tmp_path):
+    """`--loss`: our memory under each loss, alternating with the squared loss as rounds do, and a table of each one's
+    forward+backward tokens/s against the squared loss's."""
+    out = tmp_path / "bench.json"
+    result = CliRunner().invoke(app, ["bench", "memory", "--lengths", "16", "--dim", "8", "--expansion", "2",
+                                      "--chunk-size", "4", "--batch", "1", "--warmup", "0", "--repeats", "1",
+                                      "--no-reference", "--loss", "huber:gated=true,lp:p=4", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    points = json.loads(out.read_text())
+    assert [(p["impl"], p["status"]) for p in points] == [("titans", "ok"), ("titans-loss:huber:gated=true", "ok"),
+                                                          ("titans-loss:lp:p=4", "ok")]
+    header, _, row = result.output.splitlines()[-4:-1]
+    assert header.startswith("| seq | squared fwd+bwd tok/s | huber:gated=true fwd+bwd tok/s")
+    assert row.startswith("| 16 |") and all(float(cell) > 0 for cell in row.strip("|").split("|")[1:])
+
+
+def test_bench_refuses_a_loss_it_does_not_know_naming_it():
+    from titans.bench.memory import parse_losses
+
+    assert parse_losses("huber, lp:p=4:eps=1e-4") == {"huber": {"name": "huber"},
+                                                       "lp:p=4:eps=1e-4": {"name": "lp", "p": 4, "eps": 1e-4}}
+    args = ["bench", "memory", "--lengths", "16", "--dim", "8", "--no-reference"]
+    for bad, message in (("quartic", "name must be one of"), ("lp:p=1", "loss.p: must be > 1"),
+                         ("huber:delta", "key=value"), (",", "names no loss")):
+        result = CliRunner().invoke(app, args + ["--loss", bad])
+        assert result.exit_code != 0 and message in result.output, result.output

@@ -112,10 +112,13 @@ class Huber(Loss):
 
     `delta` is δ, or with `gated` its value at initialisation: δ_t = 2 δ · sigmoid(x_t w + b) per token and head
     (δ_max = 2 δ, the bias starting at 0; `NeuralMemory` computes it like θ, η, α and passes it as the loss's gate), the
-    data-dependent δ of MIRAS. Where MIRAS's exact parametrisation of δ_t differs, this is ours (DESIGN.md §1)."""
+    data-dependent δ of MIRAS. Where MIRAS's exact parametrisation of δ_t differs, this is ours (DESIGN.md §1).
+    The default δ = 0.1 is about one coordinate of a unit value of width 32 to 128 (1/√d: 0.18 to 0.09): the library's
+    values are l2-normalised (`normalize_inputs`), so no coordinate of an error exceeds 1 while the memory is near its
+    start, and δ ≥ 1 would be the squared loss there."""
 
     name: Literal["huber"] = "huber"
-    delta: float = Field(1.0, gt=0)
+    delta: float = Field(0.1, gt=0)
     gated: bool = False
     native_code: ClassVar[int] = 1
 

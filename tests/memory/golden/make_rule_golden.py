@@ -11,12 +11,13 @@ process allocated before, and differ in the last bit between two runs of the sam
 
 It calls the API of that commit (loose rule arguments: `max_grad_norm=`, `normalize_chunk=`, ...), so it does not run
 against the library after the change; the test calls the same cases through the new API. It stands alone (its helpers
-are copies of the tests' of that commit, which it cannot import), so that it can be run again at that commit. Everything is float64, one
-torch thread, fixed seeds, tiny shapes; the inputs are stored beside the results, so the test reads the cases' inputs
-from the file instead of regenerating them. Each implementation that runs on a CPU is recorded: the fused scan with its
-chunk loop in C++ and in Python, the autograd chunk path, the compiled chunk step, the token-by-token reference, the
-one-token generation step, `NeuralMemory` (one call, a stream cut in pieces, token-by-token generation, training-time
-κ counts) and whole `TitansLM` models of every memory variant (configs through `build_memory`).
+are copies of the tests' of that commit, which it cannot import), so that it can be run again at that commit.
+Everything is float64, one torch thread, fixed seeds, tiny shapes; the inputs are stored beside the results, so the test
+reads the cases' inputs from the file instead of regenerating them. Each implementation that runs on a CPU is recorded:
+the fused scan with its chunk loop in C++ and in Python, the autograd chunk path, the compiled chunk step, the token-by-
+token reference, the one-token generation step, `NeuralMemory` (one call, a stream cut in pieces, token-by-token
+generation, training-time κ counts) and whole `TitansLM` models of every memory variant (configs through
+`build_memory`).
 """
 
 from __future__ import annotations
