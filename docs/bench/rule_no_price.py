@@ -20,9 +20,11 @@ import sys
 from pathlib import Path
 
 
-def point(tree: Path, spec: dict, timeout_s: float) -> dict:
+def point(tree: Path, spec: dict, threads: int | None, timeout_s: float) -> dict:
     """One bench point of `tree`'s library: its worker's JSON line, or the failure."""
     env = {**os.environ, "PYTHONPATH": str(tree / "src")}
+    if threads is not None:  # torch reads them at start-up: intra-op threads, and MKL's
+        env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     done = subprocess.run([sys.executable, "-m", "titans.bench.memory", json.dumps(spec)], env=env, cwd=tree,
                           capture_output=True, text=True, timeout=timeout_s)
     if done.returncode != 0:
@@ -40,6 +42,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--dim", type=int, default=256)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads per point (default: torch's)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     trees = {"before": args.before.resolve(), "after": args.after.resolve()}
@@ -54,7 +57,7 @@ def main() -> None:
         order = list(trees) if r % 2 == 0 else list(reversed(trees))
         for seq in lengths:
             for name in order:
-                result = point(trees[name], {**spec, "seq_len": seq}, timeout_s=1800)
+                result = point(trees[name], {**spec, "seq_len": seq}, args.threads, timeout_s=1800)
                 runs[name][seq].append(result)
                 print(f"round {r + 1} seq {seq} {name}: {result.get('status')} fwd+bwd "
                       f"{result.get('fwd_bwd_tok_s') or 0:.0f} tok/s", file=sys.stderr, flush=True)
@@ -62,19 +65,26 @@ def main() -> None:
                    for seq, pts in by_len.items()} for name, by_len in runs.items()}
     ratios = {seq: best["after"][seq] / best["before"][seq] if best["after"][seq] and best["before"][seq] else None
               for seq in lengths}
+    # each round's pair (run back to back) as a ratio, and their median: less exposed to one lucky point than the best
+    paired = {seq: sorted(a["fwd_bwd_tok_s"] / b["fwd_bwd_tok_s"]
+                          for a, b in zip(runs["after"][seq], runs["before"][seq])
+                          if a.get("status") == b.get("status") == "ok") for seq in lengths}
+    medians = {seq: (r[len(r) // 2] + r[(len(r) - 1) // 2]) / 2 if r else None for seq, r in paired.items()}
     sys.path.insert(0, str(trees["after"] / "src"))
     from titans.bench import describe_machine
 
     result = {"what": "NeuralMemory forward+backward tokens/s of the squared loss (the default rule), the library "
                       "before issue 45 against after it, one run, trees alternating; best of the rounds",
               "command": "python docs/bench/rule_no_price.py " + " ".join(sys.argv[1:]),
-              "machine": describe_machine(), "torch_threads": "torch's default (every core)",
+              "machine": describe_machine(),
+              "torch_threads": args.threads or "torch's default (every core)",
               "commits": commits, "spec": spec, "rounds": args.rounds,
-              "best_fwd_bwd_tok_s": best, "after_over_before": ratios, "runs": runs}
+              "best_fwd_bwd_tok_s": best, "after_over_before": ratios,
+              "after_over_before_per_round": paired, "after_over_before_median_of_rounds": medians, "runs": runs}
     args.out.write_text(json.dumps(result, indent=1))
     for seq in lengths:
-        print(f"seq {seq}: before {best['before'][seq]:.0f}, after {best['after'][seq]:.0f} tok/s fwd+bwd, "
-              f"after / before {ratios[seq]:.3f}")
+        print(f"seq {seq}: best of the rounds before {best['before'][seq]:.0f}, after {best['after'][seq]:.0f} tok/s "
+              f"fwd+bwd, after / before {ratios[seq]:.3f}; median of the rounds' ratios {medians[seq]:.3f}")
     print(f"wrote {args.out}")
 
 
