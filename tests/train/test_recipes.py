@@ -35,7 +35,7 @@ def test_each_size_has_every_variant_at_the_papers_settings(size):
         assert (r["depth"], r["dim"], r["heads"], r["lr"]) == (blocks, width, heads, lr)
         assert r["tokens"] == pytest.approx(billions * 1e9, rel=1e-4)
         cfg = load_train_config(r["recipe"], ["task.name=passkey", "task.options={}"])  # every field valid, no data
-        assert (cfg.model.segment_len, cfg.model.window, cfg.model.n_persistent, cfg.model.chunk_size) == \
+        assert (cfg.model.segment_len, cfg.model.window, cfg.model.n_persistent, cfg.model.memory.chunk_size) == \
             (512, 2048, 128, 16)  # §E.1
 
 
@@ -66,6 +66,6 @@ def test_recipes_command_counts_from_the_yaml(tmp_path):
 
     with torch.device("meta"):
         model = TitansLM(TitansConfig(variant="mac", vocab_size=32000, dim=1024, depth=24, heads=16, segment_len=512,
-                                      window=2048, n_persistent=128, chunk_size=16, mlp_ratio=1.25))
+                                      window=2048, n_persistent=128, memory={"chunk_size": 16}, mlp_ratio=1.25))
     assert mac["parameters"] == model.num_parameters()
     assert "340m/mac.yaml" in result.stdout and "339.5M" in result.stdout

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..memory import NeuralMemory, parallel_memory
+from ..memory import MemoryRule, NeuralMemory, parallel_memory
 from ..memory.triton_chunk import PRECISIONS, Geometry
 from ..models import TitansConfig, TitansLM
 
@@ -337,7 +337,8 @@ def precision_point(seq: int, heads: int, head: int, device: torch.device, preci
         theta = torch.sigmoid(rand(1, heads, seq) - 1.5)
         eta, alpha = torch.sigmoid(rand(1, heads, seq)), torch.sigmoid(rand(1, heads, seq) - 9.0)
         weights = (rand(1, heads, head, 4 * head, scale=head**-0.5), rand(1, heads, 4 * head, head, scale=0.02))
-        rule = dict(chunk_size=16, max_grad_norm=4.0, max_state_norm=10.0, normalize_chunk=True)
+        # the library's bounds and normalised chunk step on these gates as given (no κ: the rule's other fields)
+        rule = dict(chunk_size=16, rule=MemoryRule.paper(max_grad_norm=4.0, max_state_norm=10.0, normalize_chunk=True))
         with torch.no_grad():
             y64, w64, _ = parallel_memory(q, k, v, theta, eta, alpha, weights, implementation="autograd", **rule)
             keep = os.environ.get("TITANS_TRITON_PRECISION")

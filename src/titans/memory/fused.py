@@ -56,7 +56,7 @@ State = list[Tensor]  # [W_1, S_1, W_2, S_2, …], each [BH, d_in, d_out]
 
 @dataclass(frozen=True)
 class ScanConfig:
-    """What a scan (`MemoryScan`, `triton_scan.TritonScan`) computes besides its tensors: the rule, how to run it."""
+    """What a scan (`MemoryScan`, `triton_chunk.TritonScan`) computes besides its tensors: the rule, how to run it."""
 
     chunk_size: int
     rule: MemoryRule  # the update (parallel_memory's rule)

@@ -13,7 +13,7 @@ functions each loss defines, elementwise on e `[..., d_out]` and a per-token gat
     gate_derivative(e, gate)  ∂g/∂gate: the gate's outer gradient, Σ_j ∂L/∂δ_L ⊙ ∂g/∂gate (gated losses only)
 
 The C++ chunk loop has the same functions in `kernels/losses.h`; the Triton kernels have their own block (and
-`triton_scan.unsupported` refuses a loss they lack, naming an implementation that serves it). A loss is one class
+`triton_chunk.unsupported` refuses a loss they lack, naming an implementation that serves it). A loss is one class
 here, registered in `LOSSES` under its `name`, with its config fields (validated like every config: a frozen pydantic
 model) and its math side by side. docs/EXTENDING.md is the checklist for adding one; tests/memory/test_losses.py
 fails where a registered loss lacks a counterpart or a reference test.
