@@ -39,9 +39,6 @@ class Loss(Config):
 
     model_config = ConfigDict(frozen=True)
 
-    # the C++ loop's code for this loss (kernels/losses.h, `LossKind`), and what its two numbers are
-    native_code: ClassVar[int]
-
     @property
     def has_gate(self) -> bool:
         """Whether the loss takes a per-token parameter from the data (its `gate`)."""
@@ -86,7 +83,6 @@ class Squared(Loss):
     (2.0 · e forward, 2.0 · d backward), so every result of the default rule is unchanged to the bit."""
 
     name: Literal["squared"] = "squared"
-    native_code: ClassVar[int] = 0
 
     def value(self, e: Tensor, gate: Gate = None) -> Tensor:
         return e**2
@@ -120,7 +116,6 @@ class Huber(Loss):
     name: Literal["huber"] = "huber"
     delta: float = Field(0.1, gt=0)
     gated: bool = False
-    native_code: ClassVar[int] = 1
 
     @property
     def has_gate(self) -> bool:
@@ -132,19 +127,19 @@ class Huber(Loss):
     def gate_from_logit(self, logit: Tensor) -> Tensor:
         return 2.0 * self.delta * torch.sigmoid(logit)
 
-    def _delta(self, e: Tensor, gate: Gate) -> Union[Tensor, float]:
+    def _delta(self, gate: Gate) -> Union[Tensor, float]:
         return gate.unsqueeze(-1) if self.gated else self.delta
 
     def value(self, e: Tensor, gate: Gate = None) -> Tensor:
-        delta = self._delta(e, gate)
+        delta = self._delta(gate)
         return torch.where(e.abs() <= delta, e * e, 2.0 * delta * e.abs() - delta * delta)
 
     def grad(self, e: Tensor, gate: Gate = None) -> Tensor:
-        delta = self._delta(e, gate)
+        delta = self._delta(gate)
         return torch.where(e.abs() <= delta, 2.0 * e, 2.0 * delta * torch.sign(e))
 
     def grad_derivative(self, e: Tensor, gate: Gate = None) -> Tensor:
-        return 2.0 * (e.abs() <= self._delta(e, gate)).to(e.dtype)
+        return 2.0 * (e.abs() <= self._delta(gate)).to(e.dtype)
 
     def gate_derivative(self, e: Tensor, gate: Tensor) -> Tensor:
         return torch.where(e.abs() <= gate.unsqueeze(-1), 0.0, 2.0 * torch.sign(e))
@@ -160,7 +155,6 @@ class Lp(Loss):
     name: Literal["lp"] = "lp"
     p: float = Field(3.0, gt=1)
     eps: float = Field(1e-6, gt=0)
-    native_code: ClassVar[int] = 2
 
     def native_params(self) -> tuple[float, float]:
         return (self.p, self.eps)
