@@ -174,7 +174,10 @@ def _build():
         # -march=native: the build is for this CPU; its flags are in the name so that a cache directory shared
         # with another machine never hands it a binary for other instructions.
         # The headers are in the name too: `load` rebuilds when a source changes, but does not look at headers.
-        key = " ".join(sorted(flags)).encode() + b"".join(p.read_bytes() for p in _HEADERS)
+        # So is the sources' folder: the build file names the sources by path, so two checkouts sharing one name
+        # (git worktrees, a clone beside an install) would rebuild each other's module on every first use.
+        key = (" ".join(sorted(flags)).encode() + str(_KERNELS.resolve()).encode()
+               + b"".join(p.read_bytes() for p in _HEADERS))
         digest = hashlib.sha1(key).hexdigest()[:10]
         name = f"titans_state_ops_{digest}"
         if not _is_built(name):  # a minute of compiling should not look like a hang
