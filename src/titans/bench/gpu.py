@@ -306,9 +306,8 @@ def decode_point(variant: str, model: dict[str, Any], context: int, batch: int, 
         config = TitansConfig(variant=variant, **model)
         lm = TitansLM(config).to(device=device, dtype=dtype).eval()
         prompt = torch.randint(0, model["vocab_size"], (batch, context), device=device)
-        period = config.memory.chunk_size * (config.segment_len // math.gcd(config.memory.chunk_size,
-                                                                           config.segment_len) if variant == "mac" else 1)
-        warm = 2 * period
+        chunk = config.memory.chunk_size  # the phases repeat every chunk, MAC's every lcm(chunk, segment)
+        warm = 2 * (math.lcm(chunk, config.segment_len) if variant == "mac" else chunk)
         peak_reset(device)
         with torch.no_grad():
             decoder = StaticDecoder(lm, lm(prompt[:, :-1])[1], warm + 2 * new_tokens, graphs=graphs)

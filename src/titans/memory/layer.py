@@ -73,7 +73,7 @@ class StaticMemoryState:
     """A `MemoryState` in buffers of fixed shape, for static decoding (`titans.models.StaticDecoder`): the pending
     tokens in `chunk_size` slots, every write in place (the weights and momentum at chunk ends only). How many slots
     hold the current chunk is the host's (from the clock's step count): a step reads it to slice the chunk so far,
-    so a CUDA graph is captured per chunk position (DESIGN.md §5)."""
+    so a CUDA graph is captured per chunk position (DESIGN.md §2, "Decoding on a GPU")."""
 
     weights: Weights  # contiguous copies, [batch, heads, d_in, d_out] per layer
     momentum: Weights

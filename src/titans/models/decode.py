@@ -8,7 +8,7 @@ attention masks) is computed on the device from the clock's device count; what c
 (how many tokens the memory's chunk holds, whether a MAC segment ends) is read by the step's Python from the clock's
 host count, which the host knows without asking the device. Those host values are the step's *phase*: one graph per
 phase, captured the second time the phase comes (the first runs eagerly, which is also the warm-up a capture needs).
-DESIGN.md §5 has why the chunk's end is a phase and not a branch-free step.
+DESIGN.md §2, "Decoding on a GPU" has why the chunk's end is a phase and not a branch-free step.
 """
 
 from __future__ import annotations

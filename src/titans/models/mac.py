@@ -27,8 +27,15 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from ..layers import DecodeClock, PersistentMemory, RMSNorm, SegmentAttention, SegmentCache, StaticSegmentCache
-from ..layers import check_state_type
+from ..layers import (
+    DecodeClock,
+    PersistentMemory,
+    RMSNorm,
+    SegmentAttention,
+    SegmentCache,
+    StaticSegmentCache,
+    check_state_type,
+)
 from ..memory import MemoryState, StaticMemoryState
 from ..memory.mlp import Weights
 from .common import build_memory
@@ -106,13 +113,12 @@ class MACMixer(nn.Module):
     # ------------------------------------------------------------------------------------ static decoding
     def static_state(self, state: MACState, clock: DecodeClock) -> StaticMACState:
         """A stream's `MACState` (after at least one token) in the buffers of a `StaticMACState` (copies)."""
-        batch = state.memory.conv_cache.shape[0]
+        batch, device = state.memory.conv_cache.shape[0], state.memory.conv_cache.device
         unset = state.segment_memory is None
-        segment_memory = self.memory.init_state(batch, state.memory.conv_cache.device) if unset else state.segment_memory
+        segment_memory = self.memory.init_state(batch, device) if unset else state.segment_memory
         dtype = self.memory.to_qkv.weight.dtype  # the queries' conv cache is in the model's dtype
         query_cache = (state.query_cache.clone() if state.query_cache is not None else
-                       torch.zeros(batch, self.memory.conv.kernel - 1, self.memory.dim, dtype=dtype,
-                                   device=state.memory.conv_cache.device))
+                       torch.zeros(batch, self.memory.conv.kernel - 1, self.memory.dim, dtype=dtype, device=device))
         segment_weights = tuple(w.clone(memory_format=torch.contiguous_format)
                                 for w in self.memory.current_weights(segment_memory))
         return StaticMACState(self.memory.static_state(state.memory, clock),
