@@ -166,3 +166,9 @@ def test_replayed_decoding_reads_nothing_back_from_the_gpu(variant):
             token = decoder.step(token).argmax(-1, keepdim=True)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def test_graph_decoding_refuses_a_model_in_training_mode():
+    model = tiny_model("lmm").to(CUDA).train()
+    with pytest.raises(ValueError, match=r"call model.eval\(\) first"):
+        model.generate(tokens(1, 3).to(CUDA), 2, decode="graph")

@@ -72,6 +72,9 @@ class StaticDecoder:
         if graphs and (device.type != "cuda" or not torch.cuda.is_available()):
             raise ValueError(f"CUDA graphs need a model on a CUDA device, this one is on {device} "
                              "(decode='static' runs the same static step without graphs)")
+        if graphs and model.training:
+            raise ValueError("CUDA graphs replay an inference step: call model.eval() first (a graph would replay one "
+                             "dropout mask, and the memory's training counters would not count)")
         if not isinstance(max_steps, int) or max_steps < 0:
             raise ValueError(f"max_steps must be an integer >= 0, got {max_steps!r}")
         blocks = model.backbone.blocks
@@ -130,6 +133,9 @@ class StaticDecoder:
         return logits[:, -1]
 
     def _capture(self) -> tuple[torch.cuda.CUDAGraph, Tensor]:
+        if torch.is_autocast_enabled("cuda"):  # autocast's cast cache would hold casts made once, at the capture
+            raise ValueError("decode through CUDA graphs runs without autocast: cast the model (model.to(dtype)) "
+                             "instead")
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph, pool=self._pool):
