@@ -310,7 +310,10 @@ def decode_point(variant: str, model: dict[str, Any], context: int, batch: int, 
         warm = 2 * (math.lcm(chunk, config.segment_len) if variant == "mac" else chunk)
         peak_reset(device)
         with torch.no_grad():
-            decoder = StaticDecoder(lm, lm(prompt[:, :-1])[1], warm + 2 * new_tokens, graphs=graphs)
+            # the context's state without its logits (at 32K × batch 16 × 32K vocabulary they would take 33 GB)
+            state = lm.backbone(lm.embed(prompt[:, :-1]))[1]
+            decoder = StaticDecoder(lm, state, warm + 2 * new_tokens, graphs=graphs)
+            del state  # the decoder holds its own copy
             token = prompt[:, -1:]
 
             def decode(steps: int) -> None:
