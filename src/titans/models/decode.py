@@ -67,6 +67,7 @@ class StaticDecoder:
     before the next step. Without, the same step runs eagerly on any device (what the CPU tests hold to the dynamic
     step)."""
 
+    @torch.no_grad()  # an inference step: its in-place writes must not join an autograd graph
     def __init__(self, model: nn.Module, state: list, max_steps: int, graphs: bool = False):
         device = model.embed.weight.device
         if graphs and (device.type != "cuda" or not torch.cuda.is_available()):
@@ -93,6 +94,7 @@ class StaticDecoder:
     def phase(self) -> tuple:
         return tuple(part.phase() for part in self._phased)
 
+    @torch.no_grad()
     def step(self, tokens: Tensor) -> Tensor:
         if self.clock.steps >= self.max_steps:
             raise ValueError(f"StaticDecoder: all {self.max_steps} steps it was built for are taken (its buffers are "
@@ -117,6 +119,7 @@ class StaticDecoder:
         self.clock.steps += 1
         return logits
 
+    @torch.no_grad()
     def state(self) -> list:
         return [dynamic_state(s) for s in self.blocks]
 
