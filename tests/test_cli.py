@@ -124,6 +124,11 @@ def test_generate_reads_token_ids_for_a_token_task_even_with_256_ids(tmp_path):
     assert result.exit_code == 0, result.output
     assert len([int(t) for t in result.stdout.split()]) == 4
     assert "token ids" in one_line_error(runner.invoke(app, ["generate", str(out), "--prompt", "hello"]))
+    static = runner.invoke(app, ["generate", str(out), "--prompt", "3 4 5", "--max-new-tokens", "4",
+                                 "--temperature", "0", "--decode", "static"])
+    assert static.exit_code == 0 and static.stdout == result.stdout, static.output  # the static step: the same tokens
+    refused = one_line_error(runner.invoke(app, ["generate", str(out), "--prompt", "3 4 5", "--decode", "graph"]))
+    assert "decode='graph' captures CUDA graphs" in refused
 
 
 def test_eval_of_a_data_task_defaults_to_validation_and_takes_a_split(tmp_path):

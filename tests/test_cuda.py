@@ -1,6 +1,6 @@
 """On a GPU (marked `cuda`; skipped with a reason where torch.cuda.is_available() is False, tests/conftest.py):
 every variant trains under bf16 autocast, a tiny model's forward matches the CPU's, streaming in pieces equals one
-call, and a training step reads nothing back from the device."""
+call, a training step reads nothing back from the device, and decoding through CUDA graphs equals eager decoding."""
 
 import math
 from pathlib import Path
@@ -9,8 +9,10 @@ import pytest
 import torch
 
 from titans import TitansConfig, TitansLM
-from titans.models import VARIANTS
+from titans.models import VARIANTS, StaticDecoder
 from titans.train import Trainer, load_train_config, train
+
+from .models.test_static_decode import assert_same_state
 
 pytestmark = pytest.mark.cuda
 
@@ -127,3 +129,46 @@ def test_the_token_range_is_read_back_only_in_debug_mode(monkeypatch):
         model(ids)  # in range, without the debug mode: no sync
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_graph_decoding_generates_what_eager_cuda_decoding_does(variant):
+    """generate(decode="graph"): the static step captured in CUDA graphs and replayed gives eager CUDA generation's
+    tokens and state, float64 to 1e-10 (tests/models/test_static_decode.py holds the static step to the dynamic one on
+    the CPU). 22 new tokens: every phase (chunk position, MAC's segment end) comes at least twice, so most tokens
+    replay a captured graph, across chunk ends, segment ends and the window's wrap."""
+    model = tiny_model(variant).to(CUDA)
+    for length in (3, 11):
+        prompt = tokens(2, length, seed=length).to(CUDA)
+        eager, eager_state = model.generate(prompt, 22, temperature=0, return_state=True)
+        graph, graph_state = model.generate(prompt, 22, temperature=0, return_state=True, decode="graph")
+        assert torch.equal(graph, eager), f"prompt of {length}"
+        assert_same_state(graph_state, eager_state)
+    draws = [model.generate(prompt, 16, top_p=0.9, generator=torch.Generator(CUDA).manual_seed(3), decode=decode)
+             for decode in ("dynamic", "graph")]
+    assert torch.equal(*draws)
+
+
+@pytest.mark.parametrize("variant", ["transformer", "lmm", "mac", "mag", "gated_deltanet"])
+def test_replayed_decoding_reads_nothing_back_from_the_gpu(variant):
+    """Once every phase is captured, a greedy decode step (replay, argmax, the token into the graph's input) launches
+    its work without waiting for the device: CUDA's sync debug mode turns any host sync into an error."""
+    model = tiny_model(variant).to(CUDA)
+    decoder = StaticDecoder(model, model(tokens(2, 7).to(CUDA))[1], 40, graphs=True)
+    token = tokens(2, 1).to(CUDA)
+    for _ in range(24):  # MAC's phases repeat every lcm(chunk 4, segment 6) = 12 tokens
+        token = decoder.step(token).argmax(-1, keepdim=True)
+    assert decoder.captured >= 1
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(12):
+            token = decoder.step(token).argmax(-1, keepdim=True)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def test_graph_decoding_refuses_a_model_in_training_mode():
+    model = tiny_model("lmm").to(CUDA).train()
+    with pytest.raises(ValueError, match=r"call model.eval\(\) first"):
+        model.generate(tokens(1, 3).to(CUDA), 2, decode="graph")

@@ -221,6 +221,9 @@ def generate(
     device: str = typer.Option("cpu", help="cpu, cuda or auto."),
     compile: bool = typer.Option(False, "--compile", help="Compile the one-token step (torch.compile): faster per "
                                                           "token after a compile of a minute or more."),
+    decode: str = typer.Option("dynamic", help="The one-token step: dynamic (the model's own state), static (the "
+                                               "same in fixed-shape buffers) or graph (static, replayed from CUDA "
+                                               "graphs; --device cuda)."),
 ) -> None:
     """Continue a prompt with a trained language model (token by token through its constant-size state)."""
     import torch
@@ -246,7 +249,7 @@ def generate(
         raise ValueError(f"--prompt token ids must lie in [0, {cfg.model.vocab_size})")
     generator = torch.Generator(device=model_device(model)).manual_seed(seed)
     tokens = model.generate(torch.tensor([ids], device=model_device(model)), max_new_tokens, temperature, top_k,
-                            top_p, generator=generator, compile=compile)
+                            top_p, generator=generator, compile=compile, decode=decode)
     new = tokens[0, len(ids):].tolist()
     typer.echo(codec.decode(new) if codec is not None else " ".join(map(str, new)))
 

@@ -4,9 +4,10 @@ their JSON and the summary table; the kernels' FLOP count against a count by han
 import json
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
-from titans.bench.gpu import kernel_flops, summary
+from titans.bench.gpu import QUICK_MODEL, decode_point, kernel_flops, summary
 from titans.cli import app
 from titans.memory.triton_chunk import Geometry
 
@@ -27,6 +28,15 @@ def test_quick_run_writes_one_json_per_benchmark_and_the_summary(tmp_path):
     table = summary(tmp_path)
     assert "x SDPA" in table and "model T 64: transformer" in table
     assert table in result.output  # the table the command prints last
+
+
+def test_decode_points_go_through_the_static_decoder_and_name_their_path(tmp_path):
+    """Off a GPU the static step runs eagerly ("static", no graph); the summary names the path."""
+    points = [decode_point(variant, QUICK_MODEL, 24, 1, 2, torch.device("cpu")) for variant in ("transformer", "lmm")]
+    assert all(p["status"] == "ok" and p["path"] == "static" and p["graphs"] == 0 and p["decode_tok_s"] > 0
+               for p in points), points
+    (tmp_path / "decode.json").write_text(json.dumps({"results": points, "environment": {}}))
+    assert "decode batch 1 (static): transformer" in summary(tmp_path)
 
 
 def test_the_full_sizes_are_refused_without_a_gpu(tmp_path):

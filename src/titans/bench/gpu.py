@@ -10,7 +10,8 @@ What runs, each point timed with CUDA events after warm-up steps that also compi
 - `model`: a 125M model (dim 768, 12 blocks, 12 heads) of every variant, a training step (forward, backward,
   AdamW) under bf16 autocast at 4K and 16K tokens per sequence: tokens/s and peak memory, the transformer's beside;
 - `decode`: tokens/s decoding after a long context (32K tokens) at batch 1 and 16, a Titans variant against the
-  transformer's KV cache (each one-token step through a CUDA graph where `generate` captures one);
+  transformer's KV cache, each one-token step of either replayed from a CUDA graph (`StaticDecoder`; the JSON's
+  `path` says "graph", or "static" where the same step ran eagerly, off a GPU);
 - `precision`: the memory's outputs and end state in float32 under each of the kernels' precisions against float64
   at 4K and 32K tokens.
 
@@ -22,6 +23,7 @@ whole script is dry-run on a CPU (the Triton kernels under TRITON_INTERPRET=1 th
 from __future__ import annotations
 
 import json
+import math
 import platform
 import subprocess
 import time
@@ -35,7 +37,7 @@ from torch import nn
 
 from ..memory import MemoryRule, NeuralMemory, parallel_memory
 from ..memory.triton_chunk import PRECISIONS, Geometry
-from ..models import TitansConfig, TitansLM
+from ..models import StaticDecoder, TitansConfig, TitansLM
 
 # The issue's configurations: (dim, heads) of the memory layer (heads of 64 and of 128), sequence lengths with the
 # batch that keeps the tokens per step near 32K, the 125M model.
@@ -287,21 +289,42 @@ def models(device: torch.device, quick: bool, warmup: int, repeats: int) -> list
 
 def decode_point(variant: str, model: dict[str, Any], context: int, batch: int, new_tokens: int,
                  device: torch.device) -> dict[str, Any]:
-    """Greedy tokens/s after reading a `context`-token prompt (untimed), bf16 weights (the memory's state float32)."""
-    point: dict[str, Any] = dict(kind="decode", variant=variant, context=context, batch=batch)
+    """Greedy tokens/s after reading a `context`-token prompt (untimed), bf16 weights (the memory's state float32).
+
+    Every variant (the transformer's KV cache too) decodes through `StaticDecoder`, its one-token step over a state of
+    fixed shape: on a GPU replayed from CUDA graphs (path "graph"), elsewhere run eagerly (path "static"). The
+    warm-up steps bring every phase (chunk position, MAC's segment end) round twice, so that every graph is captured
+    before the timed steps; the timed `new_tokens` steps are the best of two runs, each step's argmax fed back on the
+    device."""
+    graphs = device.type == "cuda"
+    point: dict[str, Any] = dict(kind="decode", variant=variant, context=context, batch=batch,
+                                 path="graph" if graphs else "static")
 
     def run() -> dict[str, Any]:
         torch.manual_seed(0)
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        lm = TitansLM(TitansConfig(variant=variant, **model)).to(device=device, dtype=dtype).eval()
+        config = TitansConfig(variant=variant, **model)
+        lm = TitansLM(config).to(device=device, dtype=dtype).eval()
         prompt = torch.randint(0, model["vocab_size"], (batch, context), device=device)
+        chunk = config.memory.chunk_size  # the phases repeat every chunk, MAC's every lcm(chunk, segment)
+        warm = 2 * (math.lcm(chunk, config.segment_len) if variant == "mac" else chunk)
         peak_reset(device)
         with torch.no_grad():
-            state = lm(prompt[:, :-1])[1]
-            last = prompt[:, -1:]
-            lm.generate(last, 2, temperature=0, state=state)  # warm-up (and capture, where generate captures)
-            seconds = timed(lambda: lm.generate(last, new_tokens, temperature=0, state=state), device, 0, 2)
-        return dict(seconds=seconds, decode_tok_s=round(batch * new_tokens / seconds), peak_mib=peak_mib(device))
+            # the context's state without its logits (at 32K × batch 16 × 32K vocabulary they would take 33 GB)
+            state = lm.backbone(lm.embed(prompt[:, :-1]))[1]
+            decoder = StaticDecoder(lm, state, warm + 2 * new_tokens, graphs=graphs)
+            del state  # the decoder holds its own copy
+            token = prompt[:, -1:]
+
+            def decode(steps: int) -> None:
+                nonlocal token
+                for _ in range(steps):
+                    token = decoder.step(token).argmax(-1, keepdim=True)
+
+            decode(warm)
+            seconds = timed(lambda: decode(new_tokens), device, 0, 2)
+        return dict(seconds=seconds, decode_tok_s=round(batch * new_tokens / seconds), peak_mib=peak_mib(device),
+                    graphs=decoder.captured)
 
     return guarded(point, run)
 
@@ -454,7 +477,9 @@ def summary(folder: Path) -> str:
         titan = next((p for p in decode if p["variant"] != "transformer" and p["batch"] == batch), None)
         rate = titan.get("decode_tok_s") if titan and titan.get("status") == "ok" else None
         ratio = f"{rate / base:.2f}x" if rate and base else "no ratio"
-        lines.append(f"decode batch {batch}: transformer {base} tok/s, {titan and titan['variant']} {rate}: {ratio}")
+        path = titan.get("path", "dynamic") if titan else "-"
+        lines.append(f"decode batch {batch} ({path}): transformer {base} tok/s, {titan and titan['variant']} {rate}: "
+                     f"{ratio}")
     for p in data.get("precision", {}).get("results", []):
         if p.get("status") == "ok":
             lines.append(f"precision {p['precision']} T {p['seq']}: y {p['y_error']:.1e}, W {p['weights_error']:.1e}")

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .rope import RotaryEmbedding
-from .state import check_state_shapes, check_state_type, states_trusted
+from .state import DecodeClock, check_state_shapes, check_state_type, states_trusted
 
 # Query blocks are at least this long: much shorter blocks pay more in per-call overhead than they
 # save in masked-out scores.
@@ -58,6 +58,64 @@ class SegmentCache:
     @property
     def length(self) -> int:
         return self.k_x.shape[2]
+
+
+# Static decoding (`titans.models.StaticDecoder`): the same caches in buffers whose shapes never change, written in
+# place at slots computed on the device from the clock, so that a one-token step can be captured in a CUDA graph.
+@dataclasses.dataclass
+class StaticKVCache:
+    """A `KVCache` of fixed shape: the recent keys/values in a ring of `capacity` slots (the window, or for full
+    attention every position the decode will reach), band position j (the j-th token after the prefix) in slot
+    j mod capacity. Slot order is not position order: attention is a sum over keys, and each key carries its
+    position in its RoPE rotation."""
+
+    prefix_k: Tensor  # as in KVCache
+    prefix_v: Tensor
+    k: Tensor  # [batch, heads, capacity, head_dim]
+    v: Tensor
+    clock: DecodeClock
+    start_pos: int  # KVCache.pos when the decode began
+
+    def dynamic(self) -> KVCache:
+        """The `KVCache` the dynamic step would hold now (its keys in position order)."""
+        pos, capacity = self.start_pos + self.clock.steps, self.k.shape[2]
+        band = pos - self.prefix_k.shape[2]
+        slots = torch.arange(band - min(band, capacity), band, device=self.k.device) % capacity
+        return KVCache(self.prefix_k, self.prefix_v, self.k[:, :, slots], self.v[:, :, slots], pos)
+
+
+@dataclasses.dataclass
+class StaticSegmentCache:
+    """A `SegmentCache` of fixed shape: `segment_len` slots each for h and x, slot j holding segment offset j (valid
+    up to the current token's offset; what a finished segment left beyond it is masked, never cleared)."""
+
+    k_h: Tensor  # [batch, heads, segment_len, head_dim]
+    v_h: Tensor
+    k_x: Tensor
+    v_x: Tensor
+    clock: DecodeClock
+    start_offset: int  # SegmentCache.length when the decode began
+
+    def offset_after(self, steps: int) -> int:
+        """The segment offset of the next token after `steps` steps (host)."""
+        return (self.start_offset + steps) % self.k_x.shape[2]
+
+    @property
+    def length(self) -> int:
+        return self.offset_after(self.clock.steps)
+
+    def phase(self) -> bool:
+        """What of the position a step's Python reads: whether this step ends the segment (MAC's memory switch)."""
+        return self.length == self.k_x.shape[2] - 1
+
+    def dynamic(self) -> SegmentCache:
+        n = self.length
+        return SegmentCache(*(t[:, :, :n].clone() for t in (self.k_h, self.v_h, self.k_x, self.v_x)))
+
+
+def one_token(owner: str, x: Tensor) -> None:
+    if x.shape[1] != 1:
+        raise ValueError(f"{owner}: a static decode state steps one token at a time, got {x.shape[1]} tokens")
 
 
 def explicit_attention(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, scale: Optional[float] = None) -> Tensor:
@@ -228,6 +286,8 @@ class Attention(HeadProjections):
         self.window = window
 
     def forward(self, x: Tensor, cache: Optional[KVCache] = None, prefix_len: int = 0) -> tuple[Tensor, KVCache]:
+        if isinstance(cache, StaticKVCache):
+            return self._static_step(x, cache), cache
         if cache is None and not 0 <= prefix_len <= x.shape[1]:  # the prefix only exists at the stream start
             raise ValueError(f"prefix_len must be in [0, {x.shape[1]}], got {prefix_len}")
         if cache is not None:
@@ -263,6 +323,38 @@ class Attention(HeadProjections):
             recent_k, recent_v = recent_k[:, :, -self.window :], recent_v[:, :, -self.window :]
         return self.merge(y), KVCache(cache.prefix_k, cache.prefix_v, recent_k, recent_v, pos + x.shape[1])
 
+    def static_cache(self, cache: KVCache, clock: DecodeClock, steps: int) -> StaticKVCache:
+        """`cache` in a ring that holds what `steps` more tokens need: the window, or (full attention) every key."""
+        n_prefix = cache.prefix_k.shape[2]
+        band, kept = cache.pos - n_prefix, cache.k.shape[2]
+        capacity = self.window if self.window is not None else band + steps
+        k, v = (t.new_zeros(*t.shape[:2], capacity, t.shape[3]) for t in (cache.k, cache.v))
+        slots = torch.arange(band - kept, band, device=k.device) % capacity
+        k[:, :, slots], v[:, :, slots] = cache.k, cache.v
+        return StaticKVCache(cache.prefix_k, cache.prefix_v, k, v, clock, cache.pos)
+
+    def _static_step(self, x: Tensor, cache: StaticKVCache) -> Tensor:
+        """`forward` for one token over a `StaticKVCache`, with no host value that changes from token to token: the
+        position, the slot and the mask of valid slots come from the clock's device count."""
+        one_token("Attention", x)
+        position = cache.start_pos + cache.clock.device_steps  # [1]
+        n_prefix, capacity = cache.prefix_k.shape[2], cache.k.shape[2]
+        q_plain, k_plain, v = self.project(x, None)
+        cos, sin = self.rope.angles(position, q_plain.dtype)
+        q, k = self.rope.rotate(q_plain, cos, sin), self.rope.rotate(k_plain, cos, sin)
+        band = position - n_prefix
+        # writing band position j over j − capacity drops a key no later query sees (j − (j − capacity) ≥ window)
+        cache.k.index_copy_(2, band % capacity, k)
+        cache.v.index_copy_(2, band % capacity, v)
+        visible = torch.arange(capacity, device=x.device) <= band  # before the ring wraps, slots 0..band; then all
+        keys, values = cache.k, cache.v
+        if n_prefix:
+            q, keys = position_free_prefix(q, q_plain, cache.prefix_k, keys)
+            values = torch.cat([cache.prefix_v, values], dim=2)
+            visible = torch.cat([visible.new_ones(n_prefix), visible])
+        y = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible[None], scale=self.head_dim**-0.5)
+        return self.merge(y)
+
     def _check_kv_cache(self, cache: KVCache, batch: int) -> None:
         if states_trusted():
             return
@@ -294,6 +386,8 @@ class SegmentAttention(HeadProjections):
 
     def forward(self, x: Tensor, h: Tensor, persistent: Optional[Tensor] = None,
                 cache: Optional[SegmentCache] = None) -> tuple[Tensor, SegmentCache]:
+        if isinstance(cache, StaticSegmentCache):
+            return self._static_step(x, h, persistent, cache), cache
         if h.shape != x.shape:
             raise ValueError(f"h must have the shape of x {tuple(x.shape)}, got {tuple(h.shape)}")
         if cache is not None:
@@ -308,13 +402,43 @@ class SegmentAttention(HeadProjections):
         if cache is not None:
             k_h, v_h = torch.cat([cache.k_h, k_h], 2), torch.cat([cache.v_h, v_h], 2)
             k_x, v_x = torch.cat([cache.k_x, k_x], 2), torch.cat([cache.v_x, v_x], 2)
-        keys, values, n_persistent = [k_h, k_x], [v_h, v_x], 0
-        if persistent is not None:
-            n_persistent = persistent.shape[0]
-            k_p, v_p = self.project_keys(persistent.to(x.dtype)[None], None)
-            keys.insert(0, k_p.expand(x.shape[0], -1, -1, -1))
-            values.insert(0, v_p.expand(x.shape[0], -1, -1, -1))
-        y = segment_attention(q, torch.cat(keys, 2), torch.cat(values, 2), n_persistent, offset)
+        keys, values = self._with_persistent([k_h, k_x], [v_h, v_x], persistent, x)
+        n_persistent = persistent.shape[0] if persistent is not None else 0
+        y = segment_attention(q, keys, values, n_persistent, offset)
         if offset + n == self.segment_len:  # segment complete: the next one starts from nothing
             k_h = v_h = k_x = v_x = k_x[:, :, :0]
         return self.merge(y), SegmentCache(k_h, v_h, k_x, v_x)
+
+    def _with_persistent(self, keys: list[Tensor], values: list[Tensor], persistent: Optional[Tensor], x: Tensor
+                         ) -> tuple[Tensor, Tensor]:
+        """[p ‖ h ‖ x]'s keys and values from h's and x's (the persistent tokens' without rotation)."""
+        if persistent is not None:
+            k_p, v_p = self.project_keys(persistent.to(x.dtype)[None], None)
+            keys = [k_p.expand(x.shape[0], -1, -1, -1), *keys]
+            values = [v_p.expand(x.shape[0], -1, -1, -1), *values]
+        return torch.cat(keys, 2), torch.cat(values, 2)
+
+    def static_cache(self, cache: Optional[SegmentCache], clock: DecodeClock, like: Tensor) -> StaticSegmentCache:
+        """`cache` (None: a segment's start) in buffers of `segment_len` slots; `like` `[batch, ...]` gives the batch,
+        dtype and device."""
+        shape = (like.shape[0], self.heads, self.segment_len, self.head_dim)
+        buffers = [like.new_zeros(shape) for _ in range(4)]
+        offset = cache.length if cache is not None else 0
+        if cache is not None:
+            for buffer, held in zip(buffers, (cache.k_h, cache.v_h, cache.k_x, cache.v_x)):
+                buffer[:, :, :offset] = held
+        return StaticSegmentCache(*buffers, clock, offset)
+
+    def _static_step(self, x: Tensor, h: Tensor, persistent: Optional[Tensor], cache: StaticSegmentCache) -> Tensor:
+        """`forward` for one token over a `StaticSegmentCache`: offset, slot and mask from the clock's device count."""
+        one_token("SegmentAttention", x)
+        offset = (cache.start_offset + cache.clock.device_steps) % self.segment_len  # [1]
+        q, k_x, v_x = self.project(x, offset)
+        k_h, v_h = self.project_keys(h, offset)
+        for buffer, new in ((cache.k_h, k_h), (cache.v_h, v_h), (cache.k_x, k_x), (cache.v_x, v_x)):
+            buffer.index_copy_(2, offset, new)
+        keys, values = self._with_persistent([cache.k_h, cache.k_x], [cache.v_h, cache.v_x], persistent, x)
+        visible = torch.arange(self.segment_len, device=x.device) <= offset
+        n_persistent = persistent.shape[0] if persistent is not None else 0
+        mask = torch.cat([visible.new_ones(n_persistent), visible, visible])
+        return self.merge(F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[None]))

@@ -56,3 +56,16 @@ def check_state_shapes(owner: str, shapes: Mapping[str, tuple[Tensor, Sizes]]) -
             want = ", ".join("*" if e is None else str(e) for e in expected)
             raise ValueError(f"{owner}: state.{name} has shape {list(tensor.shape)}, expected [{want}] "
                              "(a state from a model of another size, or from another batch size?)")
+
+
+class DecodeClock:
+    """The count of one-token steps a static decode state has taken, on both sides (`titans.models.StaticDecoder`).
+
+    `steps` is the host's: a step's Python reads it where control flow depends on the position (how many tokens a
+    memory's chunk holds, whether a MAC segment ends), so a captured CUDA graph is chosen by it and never reads the
+    device. `device_steps` is the same count on the device, advanced inside the step: what a captured graph reads for
+    everything that varies from token to token without changing shapes (RoPE positions, ring-buffer slots, masks)."""
+
+    def __init__(self, device: torch.device):
+        self.steps = 0
+        self.device_steps = torch.zeros(1, dtype=torch.long, device=device)

@@ -22,8 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..layers.attention import one_token
 from ..layers.conv import CausalDepthwiseConv, causal_depthwise_conv
-from ..layers.state import check_state_shapes, check_state_type, states_trusted
+from ..layers.state import DecodeClock, check_state_shapes, check_state_type, states_trusted
 from .checks import Alpha, Theta
 from .delta import delta_rule_memory
 from .mlp import Weights, memory_apply
@@ -65,6 +66,57 @@ class MemoryState:
     @property
     def num_pending(self) -> int:
         return self.pending_k.shape[2]
+
+
+@dataclasses.dataclass
+class StaticMemoryState:
+    """A `MemoryState` in buffers of fixed shape, for static decoding (`titans.models.StaticDecoder`): the pending
+    tokens in `chunk_size` slots, every write in place (the weights and momentum at chunk ends only). How many slots
+    hold the current chunk is the host's (from the clock's step count): a step reads it to slice the chunk so far,
+    so a CUDA graph is captured per chunk position (DESIGN.md §2, "Decoding on a GPU")."""
+
+    weights: Weights  # contiguous copies, [batch, heads, d_in, d_out] per layer
+    momentum: Weights
+    conv_cache: Tensor
+    pending_k: Tensor  # [batch, heads, chunk_size, head_dim]; slots 0..num_pending − 1 hold the chunk so far
+    pending_v: Tensor
+    pending_gates: Tensor  # [batch, heads, chunk_size, gates_per_head]
+    clock: DecodeClock
+    start_pending: int  # MemoryState.num_pending and seq_pos when the decode began
+    start_seq_pos: int
+
+    def buffers(self) -> list[Tensor]:
+        return [*self.weights, *self.momentum, self.conv_cache, self.pending_k, self.pending_v, self.pending_gates]
+
+    def with_buffers_of(self, other: StaticMemoryState) -> StaticMemoryState:
+        """This state's clock fields over `other`'s buffers."""
+        return dataclasses.replace(self, **{name: getattr(other, name) for name in (
+            "weights", "momentum", "conv_cache", "pending_k", "pending_v", "pending_gates")})
+
+    def pending_after(self, steps: int) -> int:
+        return (self.start_pending + steps) % self.pending_k.shape[2]
+
+    @property
+    def num_pending(self) -> int:
+        return self.pending_after(self.clock.steps)
+
+    def phase(self) -> int:
+        """What of the position a step's Python reads: the chunk position (the shapes of its slices)."""
+        return self.num_pending
+
+    def view(self, steps: Optional[int] = None) -> MemoryState:
+        """The `MemoryState` after `steps` steps (default: now) as views of the buffers (valid until they change)."""
+        steps = self.clock.steps if steps is None else steps
+        p = self.pending_after(steps)
+        return MemoryState(self.weights, self.momentum, self.conv_cache, self.pending_k[:, :, :p],
+                           self.pending_v[:, :, :p], self.pending_gates[:, :, :p], self.start_seq_pos + steps)
+
+    def dynamic(self, steps: Optional[int] = None) -> MemoryState:
+        """The `MemoryState` the dynamic step would hold after `steps` steps (default: now), as copies."""
+        v = self.view(steps)
+        return MemoryState(tuple(w.clone() for w in v.weights), tuple(s.clone() for s in v.momentum),
+                           v.conv_cache.clone(), v.pending_k.clone(), v.pending_v.clone(), v.pending_gates.clone(),
+                           v.seq_pos)
 
 
 class NeuralMemory(nn.Module):
@@ -315,23 +367,16 @@ class NeuralMemory(nn.Module):
         if x.dim() != 3 or x.shape[-1] != self.dim:
             raise ValueError(f"x must be [batch, seq, {self.dim}], got shape {tuple(x.shape)}")
         batch, seq, _ = x.shape
+        if isinstance(state, StaticMemoryState):
+            return self._static_step(x, state), state
         if state is None:
             state = self.init_state(batch, x.device)
         self._check_state(state, batch)
-        dtype = self._state_dtype()
-        proj, conv_cache = self.conv(self.to_qkv(x), state.conv_cache)
-        proj_q, proj_k, proj_v = proj.to(dtype).chunk(3, dim=-1)
-        q = self._queries(proj_q)
-        k = F.normalize(self._split_heads(F.silu(proj_k)), dim=-1)
-        v = self._split_heads(F.silu(proj_v))
-        if self.rule.normalize_inputs:  # the inner loop sees no scale: unit values like the keys, gates from unit-RMS x
-            v = F.normalize(v, dim=-1)
-        gates = self._gate_logits(x).to(dtype).unflatten(-1, (self.gates_per_head, self.heads)).permute(0, 3, 1, 2)
+        q, k, v, gates, conv_cache = self._inputs(x, state.conv_cache)
 
         # generation: one token a step (the one-token step takes the scalar α; a channel-wise α takes the chunk path)
-        if (seq == 1 and self.rule.gradients == "chunk" and not self.rule.forgetting_channels
-                and not torch.is_grad_enabled()):
-            y, new_state = self._token_step(q, k, v, gates, state, conv_cache.to(dtype))
+        if seq == 1 and self._steps_tokens and not torch.is_grad_enabled():
+            y, new_state = self._token_step(q, k, v, gates, state, conv_cache)
             return self._output(y, x), new_state
 
         # Continue the unfinished chunk: its pending tokens go first (their outputs are discarded),
@@ -360,7 +405,7 @@ class NeuralMemory(nn.Module):
         new_state = MemoryState(
             weights=W,
             momentum=S,
-            conv_cache=conv_cache.to(dtype),
+            conv_cache=conv_cache,
             # copies of fewer than chunk_size tokens, so the state does not keep this call's projections alive
             pending_k=k[:, :, full:].clone(),
             pending_v=v[:, :, full:].clone(),
@@ -369,6 +414,25 @@ class NeuralMemory(nn.Module):
         )
         return self._output(y, x), new_state
 
+    def _inputs(self, x: Tensor, conv_cache: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """q, k, v `[B, H, T, d]` and the gates' logits `[B, H, T, gates_per_head]` of x, in the state's dtype, and the
+        conv's new cache."""
+        dtype = self._state_dtype()
+        proj, conv_cache = self.conv(self.to_qkv(x), conv_cache)
+        proj_q, proj_k, proj_v = proj.to(dtype).chunk(3, dim=-1)
+        q = self._queries(proj_q)
+        k = F.normalize(self._split_heads(F.silu(proj_k)), dim=-1)
+        v = self._split_heads(F.silu(proj_v))
+        if self.rule.normalize_inputs:  # the inner loop sees no scale: unit values like the keys, gates from unit-RMS x
+            v = F.normalize(v, dim=-1)
+        gates = self._gate_logits(x).to(dtype).unflatten(-1, (self.gates_per_head, self.heads)).permute(0, 3, 1, 2)
+        return q, k, v, gates, conv_cache.to(dtype)
+
+    @property
+    def _steps_tokens(self) -> bool:
+        """Whether `memory_token_step` serves this rule (it takes the scalar α and gradients at the chunk's start)."""
+        return self.rule.gradients == "chunk" and not self.rule.forgetting_channels
+
     def _token_step(self, q: Tensor, k: Tensor, v: Tensor, gates: Tensor, state: MemoryState, conv_cache: Tensor
                     ) -> tuple[Tensor, MemoryState]:
         """One token through `memory_token_step` (no autograd): the same outputs and state as `_memory` over the
@@ -376,12 +440,55 @@ class NeuralMemory(nn.Module):
         if state.num_pending:
             k, v, gates = (torch.cat([held, new], dim=2) for held, new in
                            ((state.pending_k, k), (state.pending_v, v), (state.pending_gates, gates)))
-        theta, eta, alpha, loss_gate = self._gate_values(gates)
-        chunk_end = k.shape[2] == self.chunk_size
-        y, W, S = memory_token_step(q, k, v, theta, eta, alpha, state.weights, state.momentum, chunk_end, self.rule,
-                                    loss_gate)
-        keep = 0 if chunk_end else k.shape[2]  # a completed chunk leaves nothing pending
+        y, W, S = self._chunk_so_far(q, k, v, gates, state.weights, state.momentum)
+        keep = 0 if k.shape[2] == self.chunk_size else k.shape[2]  # a completed chunk leaves nothing pending
         return y, MemoryState(W, S, conv_cache, k[:, :, :keep], v[:, :, :keep], gates[:, :, :keep], state.seq_pos + 1)
+
+    def _chunk_so_far(self, q: Tensor, k: Tensor, v: Tensor, gates: Tensor, weights: Weights, momentum: Weights
+                      ) -> tuple[Tensor, Weights, Weights]:
+        """The output of a chunk's newest token (q its query; k, v, gates the chunk's tokens so far, the newest last),
+        and the state after the chunk if that token completes it (else `weights`, `momentum` unchanged).
+        `memory_token_step` where it serves the rule; else the chunk path over the chunk so far, the earlier tokens'
+        queries zero (their outputs discarded), as `forward` runs it."""
+        chunk_end = k.shape[2] == self.chunk_size
+        if self._steps_tokens:
+            theta, eta, alpha, loss_gate = self._gate_values(gates)
+            return memory_token_step(q, k, v, theta, eta, alpha, weights, momentum, chunk_end, self.rule, loss_gate)
+        q = torch.cat([q.new_zeros(*q.shape[:2], k.shape[2] - 1, q.shape[3]), q], dim=2)
+        y, W, S = self._memory(q, k, v, gates, weights, momentum)
+        return (y[:, :, -1:], W, S) if chunk_end else (y[:, :, -1:], weights, momentum)
+
+    # ------------------------------------------------------------------------------------ static decoding
+    def static_state(self, state: MemoryState, clock: DecodeClock) -> StaticMemoryState:
+        """`state` in the buffers of a `StaticMemoryState` (copies: the decode writes them in place)."""
+        p, batch = state.num_pending, state.conv_cache.shape[0]
+        pending = []
+        for held, width in ((state.pending_k, self.head_dim), (state.pending_v, self.head_dim),
+                            (state.pending_gates, self.gates_per_head)):
+            buffer = held.new_zeros(batch, self.heads, self.chunk_size, width)
+            buffer[:, :, :p] = held
+            pending.append(buffer)
+        weights, momentum = (tuple(w.clone(memory_format=torch.contiguous_format) for w in ws)
+                             for ws in (state.weights, state.momentum))
+        return StaticMemoryState(weights, momentum, state.conv_cache.clone(), *pending, clock, p, state.seq_pos)
+
+    def _static_step(self, x: Tensor, state: StaticMemoryState) -> Tensor:
+        """`forward` for one token over a `StaticMemoryState`: the token's k, v, gates written into slot
+        `num_pending`, the chunk so far sliced from the buffers (a shape the host knows), the weights and momentum
+        overwritten when the token ends the chunk. The same `_chunk_so_far` as the dynamic step."""
+        one_token("NeuralMemory", x)
+        q, k, v, gates, conv_cache = self._inputs(x, state.conv_cache)
+        state.conv_cache.copy_(conv_cache)
+        n = state.num_pending
+        chunk = []
+        for buffer, new in ((state.pending_k, k), (state.pending_v, v), (state.pending_gates, gates)):
+            buffer[:, :, n : n + 1] = new
+            chunk.append(buffer[:, :, : n + 1])
+        y, W, S = self._chunk_so_far(q, *chunk, state.weights, state.momentum)
+        if n + 1 == self.chunk_size:
+            for buffer, new in zip(state.weights + state.momentum, W + S):
+                buffer.copy_(new)
+        return self._output(y, x)
 
     def current_weights(self, state: MemoryState) -> Weights:
         """The memory as it stands after the last consumed token (pending tokens applied)."""
@@ -407,9 +514,14 @@ class NeuralMemory(nn.Module):
         if query_cache is not None:
             check_state_shapes("NeuralMemory.retrieve", {
                 "query_cache": (query_cache, (x.shape[0], self.conv.kernel - 1, self.dim))})
+        return self.read(x, self.current_weights(state), query_cache)
+
+    def read(self, x: Tensor, weights: Weights, query_cache: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+        """`retrieve` from given current weights (what MAC's static step keeps, `current_weights` taken once a
+        segment)."""
         dim = self.dim
         proj_q = F.linear(x, self.to_qkv.weight[:dim])
         proj_q, query_cache = causal_depthwise_conv(proj_q, self.conv.weight[:dim], self.conv.bias[:dim], query_cache)
         q = self._queries(proj_q.to(self._state_dtype()))
-        h = memory_apply(q, self.current_weights(state), self.rule)
+        h = memory_apply(q, weights, self.rule)
         return self._output(h, x), query_cache

@@ -1,11 +1,12 @@
 """Titans architectures (LMM, MAC, MAG, MAL) and baselines behind one LM class and one config."""
 
 from .config import TITANS_VARIANTS, VARIANTS, TitansConfig
+from .decode import StaticDecoder
 from .lm import MIXERS, Backbone, TitansLM, sample_next
 from .state_io import load_state, save_state
 
 __all__ = ["VARIANTS", "TITANS_VARIANTS", "TitansConfig", "MIXERS", "Backbone", "TitansLM", "sample_next", "load_state",
-           "save_state"]
+           "save_state", "StaticDecoder"]
 
 from .encoder import ClassificationHead, ForecastHead, RegressionHead, TitansEncoder  # noqa: E402
 

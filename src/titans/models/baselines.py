@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from ..layers import Attention, check_state_shapes, check_state_type
+from ..layers.attention import one_token
 from ..memory import NeuralMemory
 from .common import build_memory, build_window_attention
 from .config import TitansConfig
@@ -51,6 +52,17 @@ class LSTMState:
     c: Tensor
 
 
+@dataclasses.dataclass
+class StaticLSTMState:
+    """The LSTM's state for static decoding (`titans.models.StaticDecoder`): the same tensors, written in place."""
+
+    h: Tensor
+    c: Tensor
+
+    def dynamic(self) -> LSTMState:
+        return LSTMState(self.h.clone(), self.c.clone())
+
+
 class LSTMMixer(nn.Module):
     """One LSTM layer as the mixer of a pre-norm block (so it gets the same MLPs and norms)."""
 
@@ -60,6 +72,12 @@ class LSTMMixer(nn.Module):
         self.register_state_dict_post_hook(_weights_of_their_own)
 
     def forward(self, x: Tensor, state: Optional[LSTMState] = None) -> tuple[Tensor, LSTMState]:
+        if isinstance(state, StaticLSTMState):
+            one_token("LSTMMixer", x)
+            y, new = self(x, LSTMState(state.h, state.c))
+            state.h.copy_(new.h)
+            state.c.copy_(new.c)
+            return y, state
         if state is not None:
             check_state_type("LSTMMixer", state, LSTMState)
             size = (self.lstm.num_layers, x.shape[0], self.lstm.hidden_size)

@@ -27,8 +27,17 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from ..layers import PersistentMemory, RMSNorm, SegmentAttention, SegmentCache, check_state_type
-from ..memory import MemoryState
+from ..layers import (
+    DecodeClock,
+    PersistentMemory,
+    RMSNorm,
+    SegmentAttention,
+    SegmentCache,
+    StaticSegmentCache,
+    check_state_type,
+)
+from ..memory import MemoryState, StaticMemoryState
+from ..memory.mlp import Weights
 from .common import build_memory
 from .config import TitansConfig
 
@@ -41,6 +50,28 @@ class MACState:
     segment_memory: Optional[MemoryState] = None  # as it stood when the current segment began
     query_cache: Optional[Tensor] = None  # conv cache of the retrieval queries (the x stream)
     attention: Optional[SegmentCache] = None  # the current segment's h and x keys/values
+
+
+@dataclasses.dataclass
+class StaticMACState:
+    """`MACState` in buffers of fixed shape, for static decoding (`titans.models.StaticDecoder`). The segment's memory
+    is a copy of the memory, taken in place at each segment end; beside it the weights retrieval reads from it
+    (`current_weights`, taken once a segment instead of once a token: the same numbers)."""
+
+    memory: StaticMemoryState
+    segment_memory: StaticMemoryState  # until a segment ends, the one the decode began with (its own clock fields)
+    segment_weights: Weights
+    query_cache: Tensor
+    attention: StaticSegmentCache
+    segment_memory_unset: bool  # MACState.segment_memory was None (the learned initial memory) when the decode began
+
+    def dynamic(self) -> MACState:
+        ended = self.attention.clock.steps - self.attention.length  # steps into the decode of the last segment end
+        if ended >= 1:  # the copy holds the memory as it stood then
+            segment_memory = self.memory.with_buffers_of(self.segment_memory).dynamic(ended)
+        else:
+            segment_memory = None if self.segment_memory_unset else self.segment_memory.dynamic(0)
+        return MACState(self.memory.dynamic(), segment_memory, self.query_cache.clone(), self.attention.dynamic())
 
 
 class MACMixer(nn.Module):
@@ -64,6 +95,8 @@ class MACMixer(nn.Module):
         return out, MACState(memory, segment_memory, query_cache, attention)
 
     def forward(self, x: Tensor, state: Optional[MACState] = None) -> tuple[Tensor, MACState]:
+        if isinstance(state, StaticMACState):
+            return self._static_step(x, state), state
         if state is None:
             state = MACState()
         check_state_type("MACMixer", state, MACState)
@@ -75,6 +108,38 @@ class MACMixer(nn.Module):
             outputs.append(out)
             start += n
         return torch.cat(outputs, 1) if outputs else x[:, :0], state
+
+
+    # ------------------------------------------------------------------------------------ static decoding
+    def static_state(self, state: MACState, clock: DecodeClock) -> StaticMACState:
+        """A stream's `MACState` (after at least one token) in the buffers of a `StaticMACState` (copies)."""
+        batch, device = state.memory.conv_cache.shape[0], state.memory.conv_cache.device
+        unset = state.segment_memory is None
+        segment_memory = self.memory.init_state(batch, device) if unset else state.segment_memory
+        dtype = self.memory.to_qkv.weight.dtype  # the queries' conv cache is in the model's dtype
+        query_cache = (state.query_cache.clone() if state.query_cache is not None else
+                       torch.zeros(batch, self.memory.conv.kernel - 1, self.memory.dim, dtype=dtype, device=device))
+        segment_weights = tuple(w.clone(memory_format=torch.contiguous_format)
+                                for w in self.memory.current_weights(segment_memory))
+        return StaticMACState(self.memory.static_state(state.memory, clock),
+                              self.memory.static_state(segment_memory, clock), segment_weights, query_cache,
+                              self.attention.static_cache(state.attention, clock, query_cache), unset)
+
+    def _static_step(self, x: Tensor, state: StaticMACState) -> Tensor:
+        """`_segment` for one token over a `StaticMACState`, written in place; at a segment end (the host knows it from
+        the clock) the memory is copied into the segment's and its current weights taken for the next segment."""
+        h, query_cache = self.memory.read(x, state.segment_weights, state.query_cache)  # eq. 21
+        state.query_cache.copy_(query_cache)
+        persistent = self.persistent.tokens if self.persistent is not None else None
+        y, _ = self.attention(x, h, persistent, state.attention)  # eq. 22
+        gate, _ = self.memory(self.memory_norm(y), state.memory)  # eqs. 23-24
+        if state.attention.phase():  # this token ends the segment
+            for copied, held in zip(state.segment_memory.buffers(), state.memory.buffers()):
+                copied.copy_(held)
+            current = self.memory.current_weights(state.memory.view(state.memory.clock.steps + 1))
+            for buffer, new in zip(state.segment_weights, current):
+                buffer.copy_(new)
+        return y * torch.sigmoid(gate)  # eq. 25
 
 
 def build_mac_mixer(cfg: TitansConfig) -> MACMixer:
