@@ -219,11 +219,10 @@ def generate(
     max_prompt_tokens: int | None = typer.Option(
         None, min=1, help="Longest prompt accepted (default: the longest length the model was evaluated at)."),
     device: str = typer.Option("cpu", help="cpu, cuda or auto."),
-    compile: bool = typer.Option(False, "--compile", help="Compile the one-token step (torch.compile): faster per "
-                                                          "token after a compile of a minute or more."),
-    decode: str = typer.Option("dynamic", help="The one-token step: dynamic (the model's own state), static (the "
-                                               "same in fixed-shape buffers) or graph (static, replayed from CUDA "
-                                               "graphs; --device cuda)."),
+    decode: str = typer.Option("dynamic", help="The one-token step: dynamic (the model's own state), compiled (the "
+                                               "same through torch.compile: faster per token after a compile of a "
+                                               "minute or more), static (in fixed-shape buffers) or graph (static, "
+                                               "replayed from CUDA graphs; --device cuda)."),
 ) -> None:
     """Continue a prompt with a trained language model (token by token through its constant-size state)."""
     import torch
@@ -249,7 +248,7 @@ def generate(
         raise ValueError(f"--prompt token ids must lie in [0, {cfg.model.vocab_size})")
     generator = torch.Generator(device=model_device(model)).manual_seed(seed)
     tokens = model.generate(torch.tensor([ids], device=model_device(model)), max_new_tokens, temperature, top_k,
-                            top_p, generator=generator, compile=compile, decode=decode)
+                            top_p, generator=generator, decode=decode)
     new = tokens[0, len(ids):].tolist()
     typer.echo(codec.decode(new) if codec is not None else " ".join(map(str, new)))
 

@@ -5,16 +5,11 @@ Without a GPU the kernels run under Triton's interpreter (TRITON_INTERPRET=1, nu
 installed; with a GPU they run compiled, on CUDA tensors. Shapes are small (widths 4–40, 2–3 chunks with a ragged
 last one, tiles of 16 where a case needs several tiles per product): the interpreter runs every program of the grid
 one after the other in numpy. The interpreter runs any Python, so the kernels are also compiled for sm_90 and sm_80
-GPUs here (`compile_for_gpu.py`, triton's compiler and ptxas), as a GPU would compile them, and their resources read.
+GPUs here: test_triton_compile.py.
 """
 
-import inspect
-import json
 import os
-import subprocess
-import sys
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,7 +18,6 @@ if not torch.cuda.is_available():  # (tests/conftest.py sets it first, before an
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton", reason="triton is not installed (pip install -c constraints.txt -e '.[gpu]')")
 
-import triton  # noqa: E402
 
 from titans.memory import MemoryRule, parallel_memory, sequential_memory, triton_chunk  # noqa: E402
 from titans.memory.parallel import serving_implementation  # noqa: E402
@@ -278,103 +272,3 @@ def test_an_unknown_precision_is_refused(monkeypatch):
 
 
 # --- compiled for a GPU, without one ------------------------------------------------------------------------------
-
-KERNELS = ("_forward_kernel", "_backward_kernel")
-TRITON_TYPES = {torch.float32: "fp32", torch.float64: "fp64", torch.bfloat16: "bf16", torch.float16: "fp16",
-                torch.int32: "i32", torch.int64: "i64"}
-
-
-def argument_type(value) -> str:
-    """Triton's signature type of a kernel argument as it reaches the kernel."""
-    if isinstance(value, torch.Tensor):
-        return "*" + TRITON_TYPES[value.dtype]
-    if isinstance(value, bool):
-        return "i1"
-    if isinstance(value, int):
-        return "i32" if -2**31 <= value < 2**31 else "i64"
-    if isinstance(value, float):
-        return "fp32"
-    raise TypeError(f"a kernel argument of type {type(value).__name__}")
-
-
-class LaunchRecorder:
-    """Stands in for a kernel: records each launch's argument types and constexprs (a Triton dtype as "dtype:NAME"),
-    then launches it."""
-
-    def __init__(self, name: str, kernel, launches: list):
-        self.name, self.kernel, self.launches = name, kernel, launches
-        self.signature = inspect.signature(kernel.fn)
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            signature, constexprs = {}, {}
-            options = {key: kwargs.pop(key) for key in ("num_warps", "num_stages", "maxnreg") if key in kwargs}
-            for name, value in self.signature.bind(*args, **kwargs).arguments.items():
-                if self.signature.parameters[name].annotation in ("tl.constexpr", triton.language.constexpr):
-                    signature[name] = "constexpr"
-                    constexprs[name] = f"dtype:{value}" if isinstance(value, triton.language.dtype) else value
-                else:
-                    signature[name] = argument_type(value)
-            record = dict(kernel=self.name, signature=signature, constexprs=constexprs, **options)
-            if record not in self.launches:
-                self.launches.append(record)
-            return self.kernel[grid](*args, **kwargs, **options)
-        return launch
-
-
-def model_geometries() -> list[tuple[dict, int, bool]]:
-    """(constexprs, GPU, spill-free) of real models' memories as the kernels compile them: a depth-2 memory of
-    expansion 4 on heads of 64 and 128 (the benchmark's 64 × 256 and 128 × 512) and a depth-4 one, at the default
-    chunk of 16 and at 32, for sm_90 and for sm_80; and at the largest chunk, 64, whose backward spills its n × n
-    algebra (known, PERFORMANCE.md: there it is held to the chip's shared memory only)."""
-    cases = [(64, 256, 2, 16, 90), (128, 512, 2, 16, 90), (64, 256, 4, 16, 90), (64, 256, 2, 32, 90),
-             (64, 256, 2, 16, 80), (128, 512, 2, 16, 80), (64, 256, 2, 64, 90)]
-    shapes = []
-    for d, hidden, depth, chunk, arch in cases:
-        geo = triton_chunk.Geometry(depth, d, hidden, d)
-        tiles = triton_chunk.choose_tiles(geo, torch.float32, chunk)
-        constexprs = dict(D_IN=d, HID=hidden, D_OUT=d, DEPTH=depth, CH=chunk, CHP=triton_chunk._pow2(chunk),
-                          BK=tiles.BK, BN=tiles.BN)
-        options = dict(num_warps=tiles.warps, num_stages=tiles.stages, maxnreg=tiles.forward_maxnreg)
-        shapes.append((constexprs, options, arch, chunk <= 32))
-    return shapes
-
-
-@pytest.mark.slow
-def test_the_kernels_compile_for_h100_and_a100(monkeypatch, tmp_path):
-    """What the interpreter lets through, a GPU's compiler need not: a compiled kernel reads a module global only as a
-    tl.constexpr, a constexpr is assigned once, a program must fit the chip's shared memory, and registers spilled
-    in the chunk loop go through local memory on every chunk. So the kernels, as a model trains them (bf16 inputs,
-    a float32 state, the default rule, at real memory sizes), are compiled by triton's compiler and ptxas for sm_90
-    (H100, H200) and sm_80 (A100): every variant asks for at most the chip's shared memory, and up to chunks of 32
-    spills no register."""
-    pytest.importorskip("triton.backends.nvidia.compiler", reason="triton has no CUDA backend here")
-    launches = []
-    for name in KERNELS:
-        monkeypatch.setattr(triton_chunk, name, LaunchRecorder(name, getattr(triton_chunk, name), launches))
-    trained = on_device(inputs(11, 2), torch.float32)
-    trained[:3] = [t.bfloat16() for t in trained[:3]]
-    outputs_and_grads(with_grad(trained), "triton", chunk_size=4, normalize_chunk=True, **BOUNDS)
-    assert {launch["kernel"] for launch in launches} == set(KERNELS)
-    to_compile, spill_free = [], []
-    for launch in launches:
-        for shape, options, arch, clean in model_geometries():
-            constexprs = {name: value for name, value in launch["constexprs"].items()
-                          if name not in ("num_warps", "num_stages")}
-            forward = launch["kernel"] == "_forward_kernel"
-            to_compile.append(dict(launch, constexprs={**constexprs, **shape}, arch=arch,
-                                   num_warps=options["num_warps"], num_stages=options["num_stages"],
-                                   maxnreg=options["maxnreg"] if forward else None))
-            spill_free.append(clean)
-    (tmp_path / "launches.json").write_text(json.dumps(to_compile))
-    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
-    done = subprocess.run([sys.executable, str(Path(__file__).with_name("compile_for_gpu.py")),
-                           str(tmp_path / "launches.json")], env=env, capture_output=True, text=True, timeout=1500)
-    assert done.returncode == 0, done.stderr[-3000:]
-    for launch, clean, result in zip(to_compile, spill_free, json.loads(done.stdout.splitlines()[-1]), strict=True):
-        where = (launch["kernel"], launch["arch"], launch["constexprs"])
-        assert "error" not in result, (where, result.get("error"))
-        assert result["shared"] <= triton_chunk.SHARED_MEMORY_LIMIT[launch["arch"]], (where, result["shared"])
-        if clean:
-            assert result["spill_stores"] == 0 and result["spill_loads"] == 0, (where, result)

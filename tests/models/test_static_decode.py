@@ -107,10 +107,9 @@ def test_the_decoder_refuses_what_it_cannot_serve():
 def test_generate_refuses_a_decode_it_cannot_run():
     model = tiny_model("lmm")
     prompt = tokens(1, 3)
-    with pytest.raises(ValueError, match=r"decode must be one of \('dynamic', 'static', 'graph'\), got 'fast'"):
+    decodes = r"\('dynamic', 'compiled', 'static', 'graph'\)"
+    with pytest.raises(ValueError, match=rf"decode must be one of {decodes}, got 'fast'"):
         model.generate(prompt, 2, decode="fast")
     with pytest.raises(ValueError, match="decode='graph' captures CUDA graphs: it needs a model and prompt on a CUDA"):
         model.generate(prompt, 2, decode="graph")
-    with pytest.raises(ValueError, match="compile=True compiles the dynamic step"):
-        model.generate(prompt, 2, decode="static", compile=True)
     assert model.generate(prompt, 0, decode="static").shape == (1, 3)

@@ -50,7 +50,7 @@ def measure_generation(model_config: dict[str, Any], variants: list[str], prompt
     """Greedy generation of `new_tokens` after a `prompt_len`-token prompt (read first, untimed, as the efficiency
     experiment does) for each variant at `model_config`: tokens per second of wall-clock and of CPU time (best
     round each), their ratios to the transformer's when the transformer is among the variants, ATen ops per token
-    and the parameter count. With `compile`, each variant is measured a second time with `generate(compile=True)`
+    and the parameter count. With `compile`, each variant is measured a second time with `generate(decode="compiled")`
     (its row's `compiled` true, the seconds its graphs took to build in `compile_s`; ratios are to the eager
     transformer), interleaved with the rest."""
     torch.manual_seed(seed)
@@ -61,16 +61,18 @@ def measure_generation(model_config: dict[str, Any], variants: list[str], prompt
     wall, cpu = dict.fromkeys(runs, float("inf")), dict.fromkeys(runs, float("inf"))
     compile_s = {}
     with torch.no_grad():
+        decode = {False: "dynamic", True: "compiled"}
         for name, compiled in runs:  # warm-up: lazily built kernels, the allocator, and every graph a timed run needs
             start = time.perf_counter()
             models[name].generate(prompt[:, -1:], new_tokens if compiled else 2, temperature=0, state=states[name],
-                                  compile=compiled)
+                                  decode=decode[compiled])
             if compiled:
                 compile_s[name] = time.perf_counter() - start
         for _ in range(rounds):
             for name, compiled in runs:
                 start, start_cpu = time.perf_counter(), time.process_time()
-                models[name].generate(prompt[:, -1:], new_tokens, temperature=0, state=states[name], compile=compiled)
+                models[name].generate(prompt[:, -1:], new_tokens, temperature=0, state=states[name],
+                                      decode=decode[compiled])
                 wall[name, compiled] = min(wall[name, compiled], time.perf_counter() - start)
                 cpu[name, compiled] = min(cpu[name, compiled], time.process_time() - start_cpu)
     ops = {name: ops_per_token(model, prompt, min(new_tokens, 32))[0] for name, model in models.items()}

@@ -24,7 +24,7 @@ from .baselines import LSTMState, StaticLSTMState
 from .mac import MACState
 from .mag import AttentionMemoryState
 
-DECODES = ("dynamic", "static", "graph")
+DECODES = ("dynamic", "compiled", "static", "graph")
 
 
 def static_state(mixer: nn.Module, state: Any, clock: DecodeClock, steps: int) -> Any:

@@ -188,7 +188,7 @@ class TitansLM(nn.Module):
     @torch.no_grad()
     def generate(self, prompt: Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: Optional[int] = None,
                  top_p: Optional[float] = None, state: Optional[State] = None,
-                 generator: Optional[torch.Generator] = None, return_state: bool = False, compile: bool = False,
+                 generator: Optional[torch.Generator] = None, return_state: bool = False,
                  decode: str = "dynamic") -> Union[Tensor, tuple[Tensor, State]]:
         """Continue `prompt` [batch, T ≥ 1] by `max_new_tokens`, one token at a time through the state.
 
@@ -196,15 +196,14 @@ class TitansLM(nn.Module):
         attention Transformer++ baseline keeps every key). Temperature 0 is greedy. Returns the prompt
         followed by the new tokens, and with `return_state` the state after the last of them.
 
-        `compile` runs each one-token step through torch.compile (`_compiled_logits`): the same tokens, with the
-        per-token Python and operator overhead of a recurrent step fused away, at the price of compiling on first
-        use (tens of seconds to minutes on a CPU; `titans bench generate --compile` measures both).
-
-        `decode` chooses the one-token step after the prompt: "dynamic" (the default) steps the model's own state,
-        whose caches change shape from token to token; "static" steps a copy of it in buffers of fixed shape, written
-        in place (`models/decode.py`): the same tokens and state; "graph" (a model on CUDA) runs that static step as
-        CUDA graphs, a whole token's step one launch instead of hundreds (the first occurrence of each chunk position
-        runs eagerly, the second captures). `compile` compiles the dynamic step and combines with neither.
+        `decode` chooses the one-token step after the prompt, each giving the same tokens and state:
+        "dynamic" (the default) steps the model's own state, whose caches change shape from token to token;
+        "compiled" runs that step through torch.compile (`_compiled_logits`), the per-token Python and operator
+        overhead fused away at the price of compiling on first use (tens of seconds to minutes on a CPU;
+        `titans bench generate --compile` measures both); "static" steps a copy of the state in buffers of fixed
+        shape, written in place (`models/decode.py`); "graph" (a model on CUDA) runs that static step as CUDA graphs,
+        a whole token's step one launch instead of hundreds (the first occurrence of each chunk position runs
+        eagerly, the second captures).
         """
         if prompt.dim() != 2 or prompt.shape[1] < 1:
             raise ValueError(f"prompt must be [batch, T] with T >= 1, got shape {tuple(prompt.shape)}")
@@ -213,20 +212,17 @@ class TitansLM(nn.Module):
         check_sampling(temperature, top_k, top_p)
         if decode not in DECODES:
             raise ValueError(f"decode must be one of {DECODES}, got {decode!r}")
-        if compile and decode != "dynamic":
-            raise ValueError(f"compile=True compiles the dynamic step; decode={decode!r} asks for the static one: "
-                             "choose one")
         if decode == "graph" and prompt.device.type != "cuda":
             raise ValueError(f"decode='graph' captures CUDA graphs: it needs a model and prompt on a CUDA device, "
                              f"got {prompt.device} (decode='static' runs the same step without graphs)")
         step, graphs = self._logits, contextlib.nullcontext()
-        if compile:
+        if decode == "compiled":
             if (reason := compile_unavailable(prompt.device.type)) is not None:
-                raise ValueError(f"generate(compile=True) cannot compile here: {reason}")
+                raise ValueError(f"generate(decode='compiled') cannot compile here: {reason}")
             step = functools.partial(_compiled_logits(), self)
             graphs = torch._dynamo.config.patch(recompile_limit=COMPILED_GRAPHS)
         logits, state = self(prompt, state)  # checks the prompt and the caller's state
-        if decode != "dynamic":
+        if decode in ("static", "graph"):
             decoder = StaticDecoder(self, state, max_new_tokens, graphs=decode == "graph")
             step = lambda token, _: (decoder.step(token)[:, None], None)  # noqa: E731
         tokens = [prompt]
@@ -237,7 +233,7 @@ class TitansLM(nn.Module):
                 next_token = sample_next(logits[:, -1], temperature, top_k, top_p, generator)[:, None]
                 tokens.append(next_token)
                 logits, state = step(next_token, state)
-        if decode != "dynamic":
+        if decode in ("static", "graph"):
             state = decoder.state()
         out = torch.cat(tokens, 1)
         return (out, state) if return_state else out
