@@ -888,3 +888,27 @@ def test_a_task_that_cannot_be_built_stops_the_grid_before_it_writes(tmp_path, m
     with pytest.raises(ValueError, match="no-such-folder"):
         run_experiment(exp, tmp_path / "results", tmp_path / "runs", jobs=1, quick=True, quiet=True)
     assert calls == [] and (tmp_path / "results" / "wind.json").read_text() == '{"kept": true}'
+
+
+def test_the_second_metric_is_the_mean_over_seeds_in_the_json_and_a_table_under_the_headline():
+    """niah reports the share of the answer's tokens right beside exact match: in the JSON ("second", the same shape
+    as "results" and "spread") and in RESULTS.md, as a table under each panel's headline table."""
+    from titans.experiments.report import section
+
+    exp = load_experiment("niah", quick=True, folder=FOLDER)
+    assert exp.metric == "accuracy" and exp.second_metric == "token_accuracy"
+    exp = exp.replace(seeds=[0, 1])
+    runs = expand(exp)
+    summaries = [{"results": {str(n): {"accuracy": 0.0, "token_accuracy": 0.25 + 0.5 * run.seed, "loss": 1.0}
+                              for n in run.config.task.eval_lengths},
+                  "num_parameters": 10, "step": 2, "train_seconds": 1.0} for run in runs]
+    data = {"experiment": "niah", "metric": exp.metric, "higher_is_better": True,
+            **train_results(exp, runs, summaries)}
+    setting = runs[0].setting(runs[0].config.task.eval_lengths[-1], exp)
+    assert data["results"][runs[0].model][setting] == 0.0  # the headline stays exact match
+    assert data["second"]["metric"] == "token_accuracy"
+    assert data["second"]["results"][runs[0].model][setting] == 0.5
+    assert data["second"]["spread"][runs[0].model][setting] == [0.25, 0.75]
+    text = section(data, Path("niah.json"), Path("niah.png"), Path("."))
+    headline, second = text.split("Beside it, token_accuracy")
+    assert "| 0.00 |" in headline and "0.50 (0.25–0.75)" in second and "0.50" not in headline

@@ -117,6 +117,10 @@ class Experiment(Config):
     discussion: str = ""  # what we think explains the results: RESULTS.md's text below them
     kind: Literal["train", "capacity", "efficiency", "continual"] = "train"
     metric: str = "accuracy"  # train: the evaluation metric reported (`titans.train.evaluate`'s keys)
+    # train, token tasks: a second metric shown beside `metric` (the JSON's "second", a table under each of
+    # RESULTS.md's), `metric` staying the headline: the share of the answer's tokens right beside exact match, so
+    # that a model that gets part of a 7-digit key is told from one at chance (both score 0 on exact match)
+    second_metric: Literal["", "token_accuracy"] = ""
     higher_is_better: bool = True
     variants: list[Variant] = Field(default_factory=lambda: list(VARIANTS), min_length=1)
     # label -> model changes naming their variant: rows beside the variants (a variant with another memory, say)
