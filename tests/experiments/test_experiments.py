@@ -14,7 +14,7 @@ from titans.experiments import expand, experiment_names, load_experiment, run_ex
 from titans.experiments.measure import memory_reader
 from titans.experiments.report import README_END, README_START, fmt, load_results, plot_models
 from titans.experiments.runner import _train_or_error, describe_run, finished, resumable, train_one, train_results
-from titans.models.config import FLAT_MEMORY_FIELDS
+from titans.models.config import FLAT_MEMORY_FIELDS, PEER_VARIANTS
 from titans.tasks import measure_capacity
 from titans.train import build_model, build_task, train
 
@@ -48,11 +48,12 @@ def test_the_issue_experiments_are_shipped_and_load_in_both_tiers():
 
 @pytest.mark.parametrize("name", ["niah", "babilong", "mqar", "long", "sine", "wind", "lm"])
 def test_full_grids_are_parameter_matched(name):
-    """Within a size, every variant of a train experiment has the same parameters to within 2%."""
+    """Within a size, every variant of a train experiment has the same parameters to within 2% (another
+    implementation's row, titans-pytorch's, is built as its authors recommend: its count is shown, not matched)."""
     exp = load_experiment(name, folder=FOLDER)
     by_size: dict[tuple, list[int]] = {}
     for run in expand(exp):
-        if run.seed != exp.seeds[0]:
+        if run.seed != exp.seeds[0] or run.config.model.variant in PEER_VARIANTS:
             continue
         cfg = run.config
         count = sum(p.numel() for p in build_model(cfg, build_task(cfg)).parameters())

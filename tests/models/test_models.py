@@ -14,6 +14,7 @@ from titans.layers.attention import reference_window_attention
 from titans.memory import NeuralMemory
 from titans.models import VARIANTS, load_state, sample_next, save_state
 from titans.models.config import FLAT_MEMORY_FIELDS, UNREAD_FIELDS, unread_fields
+from titans.models.pretrained import FORMAT_VERSION
 from titans.models.state_io import _flatten
 from titans.train.config import OptimConfig
 from titans.train.loop import make_optimizer
@@ -293,7 +294,7 @@ def test_a_field_a_model_does_not_read_changes_nothing(variant, options):
     """`unread_fields`, which lets the experiment runner read one model's runs back across them, is true: flipping
     such a field builds the same weights and the same outputs."""
     x = tokens(2, 13)
-    other = {"memory.max_momentum_step": 0.05}  # the non-boolean fields: a value that binds
+    other = {"memory.max_momentum_step": 0.05, "titans_pytorch": {"num_residual_streams": 1}}  # a value that binds
     for field in unread_fields(TitansConfig(variant=variant, **TINY, **options)):
         value = other.get(field, not model_field(TitansConfig(**TINY).to_dict(), field))
         section, _, name = field.rpartition(".")
@@ -313,7 +314,7 @@ def test_a_saved_model_from_before_a_default_changed_loads_as_it_was_trained(tmp
     model.save_pretrained(tmp_path / "m")
     path = tmp_path / "m" / "config.json"
     data = json.loads(path.read_text())
-    assert data["titans_format_version"] == 2 and data["titans"]["memory"]["residual"] is True
+    assert data["titans_format_version"] == FORMAT_VERSION and data["titans"]["memory"]["residual"] is True
     memory = data["titans"].pop("memory")  # written as version 1 would have: flat, without the two fields
     flat = {old: memory[new] for old, new in FLAT_MEMORY_FIELDS.items() if old not in
             ("memory_residual", "memory_max_momentum_step")}

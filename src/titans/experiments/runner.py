@@ -26,6 +26,7 @@ The results JSON (`docs/results/<experiment>.json`) holds everything the report 
                  the headline metric; only where it has one),
      "runs": {"<run id>": {"model", "panel", "task", "seed", "config", "num_parameters", "steps", "seconds",
                            "skipped_steps", "machine", "values": {"<setting>": value},
+                           "implementation"? (another implementation's {"package", "version", "class", "options"}),
                            "evaluation": {"<length>": {every metric its evaluation reported}}, "error"?}},
      "pending": [run ids not finished yet] (only while the grid is incomplete)}
 """
@@ -243,8 +244,9 @@ def trained_on(summaries: list[dict[str, Any]]) -> str | None:
 
 
 # eval.json's record of how training went beyond its loss (each absent from runs trained before it was kept): the
-# largest gradient norm before clipping and its step, and the share of learned θ_t the momentum-gain bound lowered
-TRAINING_KEYS = ("peak_grad_norm", "peak_grad_step", "momentum_bound_share")
+# largest gradient norm before clipping and its step, the share of learned θ_t the momentum-gain bound lowered, and
+# for another implementation's model (models/peer.py) its package, version and options
+TRAINING_KEYS = ("peak_grad_norm", "peak_grad_step", "momentum_bound_share", "implementation")
 
 
 def run_record(run: Run, summary: dict[str, Any], values: dict[str, float | None]) -> dict[str, Any]:
