@@ -146,13 +146,15 @@ def segment_visibility(n_persistent: int, offset: int, n_queries: int, n_keys: i
     return torch.cat([causal.new_ones(n_queries, n_persistent), causal, causal], dim=1)
 
 
-def segment_attention(q: Tensor, k: Tensor, v: Tensor, n_persistent: int, offset: int) -> Tensor:
-    """Fast path: one SDPA call over keys [p ‖ h ‖ x] (h and x each `(k.shape[2] − n_persistent) / 2` long)."""
+def segment_attention(q: Tensor, k: Tensor, v: Tensor, n_persistent: int, offset: int,
+                      scale: Optional[float] = None) -> Tensor:
+    """Fast path: one SDPA call over keys [p ‖ h ‖ x] (h and x each `(k.shape[2] − n_persistent) / 2` long).
+    `scale`: SDPA's (None: 1/√ of q's width; the position-free prefix doubles that width and passes the head's)."""
     n_keys = (k.shape[2] - n_persistent) // 2
     if q.shape[2] == 1 and n_keys == offset + 1:  # one query, the segment's last token so far: it sees every key
-        return F.scaled_dot_product_attention(q, k, v)
+        return F.scaled_dot_product_attention(q, k, v, scale=scale)
     mask = segment_visibility(n_persistent, offset, q.shape[2], n_keys, q.device)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
 def reference_segment_attention(q: Tensor, k: Tensor, v: Tensor, n_persistent: int, offset: int) -> Tensor:
@@ -282,15 +284,19 @@ class SegmentAttention(HeadProjections):
 
     `forward(x, h, persistent, cache)`: x and h `[batch, n, dim]` are the next n tokens of the current
     segment and their retrieved memory tokens; they must not cross the segment's end. RoPE puts x_j and
-    h_j at position j of the segment; persistent tokens carry no rotation. The returned cache is empty
-    when the segment is complete.
+    h_j at position j of the segment; persistent keys carry no rotation. By default query i scores them with its
+    rotated query, (R_i q_i) · k_p, a score that turns with i; `position_free_persistent` scores them as the window
+    attention scores its prefix, q_i · k_p (`position_free_prefix`). The returned cache is empty when the segment
+    is complete.
     """
 
-    def __init__(self, dim: int, heads: int, segment_len: int, rope_base: float = 10_000.0, dropout: float = 0.0):
+    def __init__(self, dim: int, heads: int, segment_len: int, rope_base: float = 10_000.0, dropout: float = 0.0,
+                 position_free_persistent: bool = False):
         super().__init__(dim, heads, rope_base, dropout)
         if segment_len < 1:
             raise ValueError(f"segment_len must be >= 1, got {segment_len}")
         self.segment_len = segment_len
+        self.position_free_persistent = position_free_persistent
 
     def forward(self, x: Tensor, h: Tensor, persistent: Optional[Tensor] = None,
                 cache: Optional[SegmentCache] = None) -> tuple[Tensor, SegmentCache]:
@@ -303,7 +309,13 @@ class SegmentAttention(HeadProjections):
         if offset + n > self.segment_len:
             raise ValueError(f"x ({n} tokens at segment offset {offset}) crosses the segment end ({self.segment_len})")
         positions = torch.arange(offset, offset + n, device=x.device)
-        q, k_x, v_x = self.project(x, positions)
+        position_free = self.position_free_persistent and persistent is not None and persistent.shape[0] > 0
+        if position_free:  # the unrotated queries score the persistent keys, so rotate here (as `project` does)
+            q_plain, k_x, v_x = self.project(x, None)
+            cos, sin = self.rope.angles(positions, q_plain.dtype)
+            q, k_x = self.rope.rotate(q_plain, cos, sin), self.rope.rotate(k_x, cos, sin)
+        else:
+            q, k_x, v_x = self.project(x, positions)
         k_h, v_h = self.project_keys(h, positions)
         if cache is not None:
             k_h, v_h = torch.cat([cache.k_h, k_h], 2), torch.cat([cache.v_h, v_h], 2)
@@ -314,7 +326,11 @@ class SegmentAttention(HeadProjections):
             k_p, v_p = self.project_keys(persistent.to(x.dtype)[None], None)
             keys.insert(0, k_p.expand(x.shape[0], -1, -1, -1))
             values.insert(0, v_p.expand(x.shape[0], -1, -1, -1))
-        y = segment_attention(q, torch.cat(keys, 2), torch.cat(values, 2), n_persistent, offset)
+        if position_free:
+            q, k = position_free_prefix(q, q_plain, keys[0], torch.cat(keys[1:], 2))
+            y = segment_attention(q, k, torch.cat(values, 2), n_persistent, offset, scale=self.head_dim**-0.5)
+        else:
+            y = segment_attention(q, torch.cat(keys, 2), torch.cat(values, 2), n_persistent, offset)
         if offset + n == self.segment_len:  # segment complete: the next one starts from nothing
             k_h = v_h = k_x = v_x = k_x[:, :, :0]
         return self.merge(y), SegmentCache(k_h, v_h, k_x, v_x)
