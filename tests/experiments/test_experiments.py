@@ -21,7 +21,7 @@ from titans.train import build_model, build_task, train
 ROOT = Path(__file__).resolve().parents[2]
 FOLDER = ROOT / "configs" / "experiments"
 ISSUE_EXPERIMENTS = {"niah", "babilong", "mqar", "long", "capacity", "efficiency", "encoder", "lm", "ablations_lm",
-                     "ablations_niah", "continual"}
+                     "ablations_niah", "continual", "mac_switches", "mac_budget"}
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
