@@ -19,7 +19,7 @@ so far (< C each) and the memory's current state: constant size, and a stream fe
 equals one call.
 
 Switches (TitansConfig.mac_*; each off by default, the model above), the ways titans-pytorch's MAC differs from
-ours, to measure which of them lets MAC learn the route across segments (issue 47, DESIGN.md §3's open item):
+ours, to measure which of them lets MAC learn the route across segments (issue 47, DESIGN.md §1's MAC open item):
     mac_write_input               M_t ← update with x, read M*_t(x) for the gate: the memory written from the
                                   stream its queries read (departs from eqs. 24-25, which write and read y)
     mac_residual_read             ỹ = Attn([p ‖ h ‖ S⁽ᵗ⁾ + h]) and o + h: the read also added to the residual stream

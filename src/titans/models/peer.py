@@ -8,7 +8,7 @@ and expansion), with its README's long-term memory tokens (16), everything else 
 `titans_pytorch` (keyword options of its constructor) laid over that. Its own defaults differ from ours in ways that
 are its design, not our config: four residual streams (hyper-connections), its memory chunk the whole attention
 window (segment + long-term tokens), memory written from and read by the block's input stream, the read added to the
-residual stream (DESIGN.md §3 lists these beside MAC's open item).
+residual stream (DESIGN.md §3; §1's MAC open item).
 
 What it cannot do: continue a stream. Its forward reads a whole sequence and returns no state our loop can carry (its
 own cache serves its sampler, one token at a time), so evaluation through the state in pieces (`eval_piece`) and
