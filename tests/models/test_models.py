@@ -13,7 +13,8 @@ from titans.layers import states_trusted, trusted_states
 from titans.layers.attention import reference_window_attention
 from titans.memory import NeuralMemory
 from titans.models import VARIANTS, load_state, sample_next, save_state
-from titans.models.config import FLAT_MEMORY_FIELDS, UNREAD_FIELDS, unread_fields
+from titans.models.config import FLAT_MEMORY_FIELDS, MAC_SWITCHES, UNREAD_FIELDS, unread_fields
+from titans.models.pretrained import FORMAT_VERSION
 from titans.models.state_io import _flatten
 from titans.train.config import OptimConfig
 from titans.train.loop import make_optimizer
@@ -31,6 +32,8 @@ def tiny_model(variant: str, **overrides) -> TitansLM:
         for name, p in model.named_parameters():
             if name.endswith("to_gates.weight"):
                 p.normal_(0, 0.3)
+            if name.endswith("context_norm"):  # MAC's context read away from the gate read's norm (both start at 1)
+                p.normal_(1, 0.3)
     return model.eval()
 
 
@@ -49,6 +52,10 @@ def model(variant):
 
 
 def test_causality(model):
+    assert_causal(model)
+
+
+def assert_causal(model):
     x = tokens(2, 20)
     logits, _ = model(x)
     for j in (0, 7, 13, 19):
@@ -62,6 +69,10 @@ def test_causality(model):
 @pytest.mark.parametrize("cuts", [[1, 4, 7, 13, 18], [3, 9, 10, 11, 17]])
 def test_pieces_with_state_equal_one_call(model, cuts):
     """Odd piece sizes cross memory chunks (4), MAC segments (6) and the attention window (5)."""
+    assert_pieces_equal_one_call(model, cuts)
+
+
+def assert_pieces_equal_one_call(model, cuts):
     x = tokens(2, 20, seed=1)
     logits, _ = model(x)
     state, pieces = None, []
@@ -293,7 +304,7 @@ def test_a_field_a_model_does_not_read_changes_nothing(variant, options):
     """`unread_fields`, which lets the experiment runner read one model's runs back across them, is true: flipping
     such a field builds the same weights and the same outputs."""
     x = tokens(2, 13)
-    other = {"memory.max_momentum_step": 0.05}  # the non-boolean fields: a value that binds
+    other = {"memory.max_momentum_step": 0.05, "titans_pytorch": {"num_residual_streams": 1}}  # a value that binds
     for field in unread_fields(TitansConfig(variant=variant, **TINY, **options)):
         value = other.get(field, not model_field(TitansConfig(**TINY).to_dict(), field))
         section, _, name = field.rpartition(".")
@@ -313,7 +324,7 @@ def test_a_saved_model_from_before_a_default_changed_loads_as_it_was_trained(tmp
     model.save_pretrained(tmp_path / "m")
     path = tmp_path / "m" / "config.json"
     data = json.loads(path.read_text())
-    assert data["titans_format_version"] == 2 and data["titans"]["memory"]["residual"] is True
+    assert data["titans_format_version"] == FORMAT_VERSION and data["titans"]["memory"]["residual"] is True
     memory = data["titans"].pop("memory")  # written as version 1 would have: flat, without the two fields
     flat = {old: memory[new] for old, new in FLAT_MEMORY_FIELDS.items() if old not in
             ("memory_residual", "memory_max_momentum_step")}
@@ -486,20 +497,92 @@ def test_top_p_keeps_the_smallest_prefix_that_reaches_p():
             assert drawn == kept, (probs, top_p)
 
 
-def test_mac_follows_the_paper_order():
+# MAC's switches (TitansConfig.mac_*), each alone and all together: the ways titans-pytorch's MAC differs from ours
+MAC_SWITCHED = {**{name: {name: True} for name in sorted(MAC_SWITCHES)}, "all": dict.fromkeys(MAC_SWITCHES, True)}
+
+
+@pytest.fixture(scope="module", params=sorted(MAC_SWITCHED))
+def switched_mac(request):
+    return tiny_model("mac", **MAC_SWITCHED[request.param])
+
+
+def test_a_mac_switch_changes_the_model_and_keeps_it_causal(switched_mac):
+    x = tokens(2, 20)
+    assert (switched_mac(x)[0] - tiny_model("mac")(x)[0]).abs().max() > 1e-6
+    assert_causal(switched_mac)
+
+
+@pytest.mark.parametrize("cuts", [[1, 4, 7, 13, 18], [3, 9, 10, 11, 17]])
+def test_a_switched_mac_streams_in_pieces_as_one_call(switched_mac, cuts):
+    assert_pieces_equal_one_call(switched_mac, cuts)
+
+
+def test_mac_switches_off_are_todays_model():
+    """Every switch off by default: the same parameters (names and shapes) as MAC before the switches existed,
+    and the paper-order MAC (next test) exactly, not just to rounding."""
+    model = tiny_model("mac")
+    assert not any(getattr(model.config, name) for name in MAC_SWITCHES)
+    names = {name.split("mixer.", 1)[1] for name in model.state_dict() if ".mixer." in name}
+    assert {name for name in names if "context_norm" in name} == set()
+    assert {name for name in names if name.startswith("memory_norm")} == {"memory_norm.weight"}
+
+
+@pytest.mark.parametrize("switches", ["off", *sorted(MAC_SWITCHED)])
+def test_mac_follows_the_paper_order(switches):
     """MAC written out segment by segment: retrieve from the memory as it stood before the segment,
-    attend over [p ‖ h ‖ x], write the attention output into the memory, gate with the updated memory."""
-    mixer = tiny_model("mac").backbone.blocks[0].mixer
+    attend over [p ‖ h ‖ x], write the attention output into the memory, gate with the updated memory. With a switch,
+    its departure written out beside it (models/mac.py): x written instead of y, h added to the attended stream and
+    the output, the context read through its own norm (position-free persistent keys: the next test)."""
+    options = MAC_SWITCHED.get(switches, {})
+    mixer = tiny_model("mac", **options).backbone.blocks[0].mixer
+    write_input, residual_read = options.get("mac_write_input", False), options.get("mac_residual_read", False)
     x = torch.randn(2, 14, 16, dtype=DT, generator=torch.Generator().manual_seed(6))  # segments 6, 6, 2
     memory, query_cache, outputs = None, None, []
     for start in range(0, 14, 6):
         segment = x[:, start : start + 6]
-        h, query_cache = mixer.memory.retrieve(segment, memory, query_cache)  # memory before the segment
-        y, _ = mixer.attention(segment, h, mixer.persistent.tokens)
-        gate, memory = mixer.memory(mixer.memory_norm(y), memory)  # then the update, then the gate
-        outputs.append(y * torch.sigmoid(gate))
+        h, query_cache = mixer.memory.retrieve(segment, memory, query_cache,  # memory before the segment
+                                               norm_weight=mixer.context_norm)
+        y, _ = mixer.attention(segment + h if residual_read else segment, h, mixer.persistent.tokens)
+        written = segment if write_input else mixer.memory_norm(y)
+        gate, memory = mixer.memory(written, memory)  # then the update, then the gate
+        outputs.append(y * torch.sigmoid(gate) + (h if residual_read else 0))
     out, _ = mixer(x)
+    if switches == "off":
+        assert torch.equal(out, torch.cat(outputs, 1))
     assert (out - torch.cat(outputs, 1)).abs().max() <= 1e-12
+    if options.get("mac_separate_norms"):  # the context read's norm is its own: the gate's read keeps the memory's
+        assert mixer.context_norm is not mixer.memory.out_norm_weight and mixer.context_norm.shape == \
+            mixer.memory.out_norm_weight.shape
+
+
+def test_mac_position_free_persistent_keys_score_without_the_querys_rotation():
+    """mac_position_free_persistent: query i scores persistent key p as q_i · k_p (no rotation on either side, as
+    the window attention scores its prefix), and h_j, x_j as (R_i q_i) · (R_j k_j); written out with an explicit
+    softmax, query by query."""
+    from titans.layers import SegmentAttention
+
+    torch.manual_seed(0)
+    attention = SegmentAttention(16, 2, 6, position_free_persistent=True).to(DT)
+    g = torch.Generator().manual_seed(9)
+    x, h, p = torch.randn(2, 6, 16, generator=g, dtype=DT), torch.randn(2, 6, 16, generator=g, dtype=DT), \
+        torch.randn(3, 16, generator=g, dtype=DT)
+    y, _ = attention(x, h, p)
+    positions = torch.arange(6)
+    q_plain, k_x, v_x = attention.project(x, None)
+    q, k_x = attention.rope(q_plain, positions), attention.rope(k_x, positions)
+    k_h, v_h = attention.project_keys(h, positions)
+    k_p, v_p = (t.expand(2, -1, -1, -1) for t in attention.project_keys(p[None], None))
+    rows = []
+    for i in range(6):
+        scores = torch.cat([q_plain[:, :, i : i + 1] @ k_p.transpose(-1, -2),
+                            q[:, :, i : i + 1] @ k_h[:, :, : i + 1].transpose(-1, -2),
+                            q[:, :, i : i + 1] @ k_x[:, :, : i + 1].transpose(-1, -2)], -1) / 8**0.5
+        values = torch.cat([v_p, v_h[:, :, : i + 1], v_x[:, :, : i + 1]], 2)
+        rows.append(scores.softmax(-1) @ values)
+    assert (y - attention.merge(torch.cat(rows, 2))).abs().max() <= 1e-12
+    rotated = SegmentAttention(16, 2, 6).to(DT)
+    rotated.load_state_dict(attention.state_dict())
+    assert (rotated(x, h, p)[0] - y).abs().max() > 1e-6  # today's: the rotated query scores p
 
 
 def test_mag_follows_the_paper():

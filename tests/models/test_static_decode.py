@@ -60,6 +60,9 @@ def test_the_static_step_generates_the_dynamic_tokens_and_state(variant):
     ("mac", dict(segment_len=8)),  # segments that end with a chunk (the memory's copy has no pending tokens)
     ("mac", dict(n_persistent=0)),
     ("mag", dict(n_persistent=0, window=3)),
+    # MAC's switches (issue 47), all four at once: each changes what the step reads, writes or adds
+    ("mac", dict(mac_write_input=True, mac_residual_read=True, mac_position_free_persistent=True,
+                 mac_separate_norms=True)),
     # the memory's other paths: channel-wise α (the chunk path per token), the surprise gate, chunk-pooled gates
     ("lmm", dict(memory_forgetting_channels=True)),
     ("lmm", dict(surprise_gate=True, gate_pooling="chunk", memory_depth=1)),

@@ -402,7 +402,7 @@ def section(data: dict[str, Any], json_path: Path, plot_path: Path, relative_to:
     for name, panel in data["panels"].items():
         heading = [f"{name}:", ""] if name else []
         labels = [f"{x_label_of(data, panel)} {x_text(x)}" if i == 0 else x_text(x) for i, x in enumerate(panel["x"])]
-        parts += heading + [panel_table(data, panel, labels), ""]
+        parts += heading + [panel_table(data, panel, labels), ""] + second_table(data, panel, labels)
     if data.get("published"):
         parts += [published_table(data), ""]
     parts += [f"![{data['experiment']}]({relative(plot_path, relative_to)})", ""]
@@ -414,6 +414,23 @@ def section(data: dict[str, Any], json_path: Path, plot_path: Path, relative_to:
     if data.get("discussion"):
         parts += ["What we think explains them: " + data["discussion"], ""]
     return "\n".join(parts)
+
+
+# what a second metric (the experiment's `second_metric`, the JSON's "second") is, in the sentence above its table
+SECOND_TEXT = {"token_accuracy": "the share of the answer's tokens predicted right, which shows a model that learned "
+                                  "part of the answer where exact match scores it 0"}
+
+
+def second_table(data: dict[str, Any], panel: dict[str, Any], labels: list[str]) -> list[str]:
+    """The lines of the second metric's table for a panel of the headline's (none for a panel against position, or
+    where the JSON has no second metric): the same runs, rows and columns, under the headline table."""
+    second = data.get("second")
+    if not second or "positions_of" in panel:
+        return []
+    shown = {**data, "metric": second["metric"], "results": second["results"], "spread": second["spread"]}
+    text = SECOND_TEXT.get(second["metric"], second["metric"])
+    return [f"Beside it, {second['metric']}: {text} (the same runs; the table above stays the headline).", "",
+            panel_table(shown, panel, labels), ""]
 
 
 def partial_text(data: dict[str, Any]) -> str:

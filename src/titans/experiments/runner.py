@@ -22,8 +22,11 @@ The results JSON (`docs/results/<experiment>.json`) holds everything the report 
      "results": {"<model>": {"<setting>": value (the mean over seeds), ...}, ...} (baseline rows: the mean over the
                  runs of the metric they report for it),
      "spread": {"<model>": {"<setting>": [min, max] over seeds}},
+     "second": {"metric", "results", "spread"} (the experiment's `second_metric`, as "results" and "spread" hold
+                 the headline metric; only where it has one),
      "runs": {"<run id>": {"model", "panel", "task", "seed", "config", "num_parameters", "steps", "seconds",
                            "skipped_steps", "machine", "values": {"<setting>": value},
+                           "implementation"? (another implementation's {"package", "version", "class", "options"}),
                            "evaluation": {"<length>": {every metric its evaluation reported}}, "error"?}},
      "pending": [run ids not finished yet] (only while the grid is incomplete)}
 """
@@ -206,6 +209,7 @@ def train_results(exp: Experiment, runs: list[Run], summaries: list[dict[str, An
     position (`positions_of` names the setting it splits)."""
     panels: dict[str, dict[str, Any]] = {}
     per_seed: dict[str, dict[str, list[float | None]]] = {}
+    second: dict[str, dict[str, list[float | None]]] = {}  # exp.second_metric's, setting by setting
     records = {}
     for run, summary in zip(runs, summaries):
         values = {}
@@ -215,6 +219,8 @@ def train_results(exp: Experiment, runs: list[Run], summaries: list[dict[str, An
             metrics = {} if "error" in summary else summary["results"][str(length)]
             values[setting] = None if "error" in summary else metrics[exp.metric]
             collect(per_seed, run.model, {setting: values[setting]})
+            if exp.second_metric:  # None where a record rebuilt from its values lacks it
+                collect(second, run.model, {setting: metrics.get(exp.second_metric)})
             for label, metric in exp.baselines.items():
                 collect(per_seed, label, {setting: None if "error" in summary else
                                           baseline_value(metrics, label, metric, run.run_id)})
@@ -225,7 +231,9 @@ def train_results(exp: Experiment, runs: list[Run], summaries: list[dict[str, An
                 collect(per_seed, run.model, {f"{panel}/{end}": value})
         records[run.run_id] = run_record(run, summary, values)
     machine = trained_on(summaries)
-    return {**({"machine": machine} if machine else {}), "panels": panels, **over_seeds(per_seed), "runs": records}
+    shown = {"second": {"metric": exp.second_metric, **over_seeds(second)}} if exp.second_metric else {}
+    return {**({"machine": machine} if machine else {}), "panels": panels, **over_seeds(per_seed), **shown,
+            "runs": records}
 
 
 def trained_on(summaries: list[dict[str, Any]]) -> str | None:
@@ -236,8 +244,9 @@ def trained_on(summaries: list[dict[str, Any]]) -> str | None:
 
 
 # eval.json's record of how training went beyond its loss (each absent from runs trained before it was kept): the
-# largest gradient norm before clipping and its step, and the share of learned θ_t the momentum-gain bound lowered
-TRAINING_KEYS = ("peak_grad_norm", "peak_grad_step", "momentum_bound_share")
+# largest gradient norm before clipping and its step, the share of learned θ_t the momentum-gain bound lowered, and
+# for another implementation's model (models/peer.py) its package, version and options
+TRAINING_KEYS = ("peak_grad_norm", "peak_grad_step", "momentum_bound_share", "implementation")
 
 
 def run_record(run: Run, summary: dict[str, Any], values: dict[str, float | None]) -> dict[str, Any]:

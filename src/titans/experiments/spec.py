@@ -21,7 +21,14 @@ from typing import Any, Literal, Optional
 from pydantic import Field, NonNegativeInt, PositiveFloat, PositiveInt, model_validator
 
 from ..config import Config, FromList, read_yaml_mapping, shipped_configs
-from ..models.config import FLAT_MEMORY_FIELDS, VARIANTS, TitansConfig, Variant, nest_memory_fields
+from ..models.config import (
+    FLAT_MEMORY_FIELDS,
+    MODEL_VARIANTS,
+    VARIANTS,
+    ModelVariant,
+    TitansConfig,
+    nest_memory_fields,
+)
 from ..train.config import RUN_NAME, TrainConfig, load_train_config
 
 
@@ -117,8 +124,13 @@ class Experiment(Config):
     discussion: str = ""  # what we think explains the results: RESULTS.md's text below them
     kind: Literal["train", "capacity", "efficiency", "continual"] = "train"
     metric: str = "accuracy"  # train: the evaluation metric reported (`titans.train.evaluate`'s keys)
+    # train, token tasks: a second metric shown beside `metric` (the JSON's "second", a table under each of
+    # RESULTS.md's), `metric` staying the headline: the share of the answer's tokens right beside exact match, so
+    # that a model that gets part of a 7-digit key is told from one at chance (both score 0 on exact match)
+    second_metric: Literal["", "token_accuracy"] = ""
     higher_is_better: bool = True
-    variants: list[Variant] = Field(default_factory=lambda: list(VARIANTS), min_length=1)
+    # rows of a model alone: ours, and other implementations' (PEER_VARIANTS) where named; default every one of ours
+    variants: list[ModelVariant] = Field(default_factory=lambda: list(VARIANTS), min_length=1)
     # label -> model changes naming their variant: rows beside the variants (a variant with another memory, say)
     extra_models: dict[str, dict[str, Any]] = Field(default_factory=dict)
     # label -> a metric of the runs' evaluation that scores a forecast made without a model on the same sequences
@@ -152,17 +164,18 @@ class Experiment(Config):
         if not RUN_NAME.fullmatch(self.name):
             raise ValueError(f"experiment name must be letters, digits, '-', '_' and '.', got {self.name!r}")
         for label, changes in self.extra_models.items():
-            if label in VARIANTS or not RUN_NAME.fullmatch(label.replace(" ", "-")):
+            if label in MODEL_VARIANTS or not RUN_NAME.fullmatch(label.replace(" ", "-")):
                 raise ValueError(f"extra_models: {label!r} must be a new row label (letters, digits, spaces, '-', "
                                  "'_', '.'), not a variant's name")
-            if changes.get("variant") not in VARIANTS:
-                raise ValueError(f"extra_models.{label} must name its variant (one of {', '.join(VARIANTS)}), "
+            if changes.get("variant") not in MODEL_VARIANTS:
+                raise ValueError(f"extra_models.{label} must name its variant (one of {', '.join(MODEL_VARIANTS)}), "
                                  f"got {changes.get('variant')!r}")
         for label in self.baselines:
-            if label in VARIANTS or label in self.extra_models or not RUN_NAME.fullmatch(label.replace(" ", "-")):
+            if label in MODEL_VARIANTS or label in self.extra_models or \
+                    not RUN_NAME.fullmatch(label.replace(" ", "-")):
                 raise ValueError(f"baselines: {label!r} must be a new row label (letters, digits, spaces, '-', '_', "
                                  "'.'), not a variant's or an extra model's")
-        unknown_rows = sorted(set(self.published.values) - set(VARIANTS) - set(self.extra_models)
+        unknown_rows = sorted(set(self.published.values) - set(MODEL_VARIANTS) - set(self.extra_models)
                               - set(self.baselines))
         if unknown_rows:
             raise ValueError(f"published.values names rows not in the grid (not a variant, an extra model or a "
@@ -323,6 +336,6 @@ def expand(exp: Experiment) -> list[Run]:
     clashes = sorted({i for i in ids if ids.count(i) > 1})
     if clashes:  # e.g. an extra model "lmm depth1" beside a size "depth1" of lmm: two runs, one directory
         raise ValueError(f"experiment {exp.name}: runs {clashes} would share a directory; rename a label")
-    slow_first = {v: i for i, v in enumerate(("mac", "mag", "mal", "lmm", "gated_deltanet", "transformer", "swa",
-                                               "lstm"))}
+    slow_first = {v: i for i, v in enumerate(("titans_pytorch_mac", "mac", "mag", "mal", "lmm", "gated_deltanet",
+                                               "transformer", "swa", "lstm"))}
     return sorted(runs, key=lambda r: slow_first[r.config.model.variant])

@@ -204,13 +204,15 @@ def segment_visibility(n_persistent: int, offset: int, n_queries: int, n_keys: i
     return torch.cat([causal.new_ones(n_queries, n_persistent), causal, causal], dim=1)
 
 
-def segment_attention(q: Tensor, k: Tensor, v: Tensor, n_persistent: int, offset: int) -> Tensor:
-    """Fast path: one SDPA call over keys [p ‖ h ‖ x] (h and x each `(k.shape[2] − n_persistent) / 2` long)."""
+def segment_attention(q: Tensor, k: Tensor, v: Tensor, n_persistent: int, offset: int,
+                      scale: Optional[float] = None) -> Tensor:
+    """Fast path: one SDPA call over keys [p ‖ h ‖ x] (h and x each `(k.shape[2] − n_persistent) / 2` long).
+    `scale`: SDPA's (None: 1/√ of q's width; the position-free prefix doubles that width and passes the head's)."""
     n_keys = (k.shape[2] - n_persistent) // 2
     if q.shape[2] == 1 and n_keys == offset + 1:  # one query, the segment's last token so far: it sees every key
-        return F.scaled_dot_product_attention(q, k, v)
+        return F.scaled_dot_product_attention(q, k, v, scale=scale)
     mask = segment_visibility(n_persistent, offset, q.shape[2], n_keys, q.device)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
 def reference_segment_attention(q: Tensor, k: Tensor, v: Tensor, n_persistent: int, offset: int) -> Tensor:
@@ -374,15 +376,19 @@ class SegmentAttention(HeadProjections):
 
     `forward(x, h, persistent, cache)`: x and h `[batch, n, dim]` are the next n tokens of the current
     segment and their retrieved memory tokens; they must not cross the segment's end. RoPE puts x_j and
-    h_j at position j of the segment; persistent tokens carry no rotation. The returned cache is empty
-    when the segment is complete.
+    h_j at position j of the segment; persistent keys carry no rotation. By default query i scores them with its
+    rotated query, (R_i q_i) · k_p, a score that turns with i; `position_free_persistent` scores them as the window
+    attention scores its prefix, q_i · k_p (`position_free_prefix`). The returned cache is empty when the segment
+    is complete.
     """
 
-    def __init__(self, dim: int, heads: int, segment_len: int, rope_base: float = 10_000.0, dropout: float = 0.0):
+    def __init__(self, dim: int, heads: int, segment_len: int, rope_base: float = 10_000.0, dropout: float = 0.0,
+                 position_free_persistent: bool = False):
         super().__init__(dim, heads, rope_base, dropout)
         if segment_len < 1:
             raise ValueError(f"segment_len must be >= 1, got {segment_len}")
         self.segment_len = segment_len
+        self.position_free_persistent = position_free_persistent
 
     def forward(self, x: Tensor, h: Tensor, persistent: Optional[Tensor] = None,
                 cache: Optional[SegmentCache] = None) -> tuple[Tensor, SegmentCache]:
@@ -397,17 +403,32 @@ class SegmentAttention(HeadProjections):
         if offset + n > self.segment_len:
             raise ValueError(f"x ({n} tokens at segment offset {offset}) crosses the segment end ({self.segment_len})")
         positions = torch.arange(offset, offset + n, device=x.device)
-        q, k_x, v_x = self.project(x, positions)
+        position_free = self.position_free_persistent and persistent is not None and persistent.shape[0] > 0
+        if position_free:  # the unrotated queries score the persistent keys, so rotate here (as `project` does)
+            q_plain, k_x, v_x = self.project(x, None)
+            cos, sin = self.rope.angles(positions, q_plain.dtype)
+            q, k_x = self.rope.rotate(q_plain, cos, sin), self.rope.rotate(k_x, cos, sin)
+        else:
+            q, k_x, v_x = self.project(x, positions)
         k_h, v_h = self.project_keys(h, positions)
         if cache is not None:
             k_h, v_h = torch.cat([cache.k_h, k_h], 2), torch.cat([cache.v_h, v_h], 2)
             k_x, v_x = torch.cat([cache.k_x, k_x], 2), torch.cat([cache.v_x, v_x], 2)
         keys, values = self._with_persistent([k_h, k_x], [v_h, v_x], persistent, x)
         n_persistent = persistent.shape[0] if persistent is not None else 0
-        y = segment_attention(q, keys, values, n_persistent, offset)
+        y = self._attend(q, q_plain if position_free else None, keys, values, n_persistent, offset)
         if offset + n == self.segment_len:  # segment complete: the next one starts from nothing
             k_h = v_h = k_x = v_x = k_x[:, :, :0]
         return self.merge(y), SegmentCache(k_h, v_h, k_x, v_x)
+
+    def _attend(self, q: Tensor, q_plain: Optional[Tensor], keys: Tensor, values: Tensor, n_persistent: int,
+                offset: int) -> Tensor:
+        """`segment_attention` over [p ‖ h ‖ x]; with `q_plain` (the queries before RoPE) the persistent keys are
+        scored position-free, q_i · k_p (`position_free_prefix`)."""
+        if q_plain is None:
+            return segment_attention(q, keys, values, n_persistent, offset)
+        q, keys = position_free_prefix(q, q_plain, keys[:, :, :n_persistent], keys[:, :, n_persistent:])
+        return segment_attention(q, keys, values, n_persistent, offset, scale=self.head_dim**-0.5)
 
     def _with_persistent(self, keys: list[Tensor], values: list[Tensor], persistent: Optional[Tensor], x: Tensor
                          ) -> tuple[Tensor, Tensor]:
@@ -433,12 +454,18 @@ class SegmentAttention(HeadProjections):
         """`forward` for one token over a `StaticSegmentCache`: offset, slot and mask from the clock's device count."""
         one_token("SegmentAttention", x)
         offset = (cache.start_offset + cache.clock.device_steps) % self.segment_len  # [1]
-        q, k_x, v_x = self.project(x, offset)
+        n_persistent = persistent.shape[0] if persistent is not None else 0
+        q_plain, k_x, v_x = self.project(x, None)
+        cos, sin = self.rope.angles(offset, q_plain.dtype)
+        q, k_x = self.rope.rotate(q_plain, cos, sin), self.rope.rotate(k_x, cos, sin)
         k_h, v_h = self.project_keys(h, offset)
         for buffer, new in ((cache.k_h, k_h), (cache.v_h, v_h), (cache.k_x, k_x), (cache.v_x, v_x)):
             buffer.index_copy_(2, offset, new)
         keys, values = self._with_persistent([cache.k_h, cache.k_x], [cache.v_h, cache.v_x], persistent, x)
         visible = torch.arange(self.segment_len, device=x.device) <= offset
-        n_persistent = persistent.shape[0] if persistent is not None else 0
         mask = torch.cat([visible.new_ones(n_persistent), visible, visible])
-        return self.merge(F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[None]))
+        scale = None
+        if self.position_free_persistent and n_persistent > 0:
+            q, keys = position_free_prefix(q, q_plain, keys[:, :, :n_persistent], keys[:, :, n_persistent:])
+            scale = self.head_dim**-0.5
+        return self.merge(F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[None], scale=scale))

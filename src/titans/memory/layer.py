@@ -335,9 +335,11 @@ class NeuralMemory(nn.Module):
         """(the learned θ_t that κ lowered, the learned θ_t it bounded) over this memory's training forwards."""
         return int(self.bound_lowered), self.bound_gates
 
-    def _output(self, y: Tensor, x: Tensor) -> Tensor:
-        """W_o (RMSNorm(y) ⊙ SiLU(x W_g)), y per head [B, H, T, d]."""
-        y = F.rms_norm(y.to(x.dtype), (self.head_dim,)) * self.out_norm_weight
+    def _output(self, y: Tensor, x: Tensor, norm_weight: Optional[Tensor] = None) -> Tensor:
+        """W_o (RMSNorm(y) ⊙ SiLU(x W_g)), y per head [B, H, T, d]; the norm's gain `norm_weight` [H, 1, d] where
+        given (a read with a norm of its own, MAC's `mac_separate_norms`), else the layer's."""
+        gain = self.out_norm_weight if norm_weight is None else norm_weight
+        y = F.rms_norm(y.to(x.dtype), (self.head_dim,)) * gain
         y = y.transpose(1, 2).flatten(2)
         return self.to_out(y * F.silu(self.to_out_gate(x)))
 
@@ -499,12 +501,14 @@ class NeuralMemory(nn.Module):
         return W
 
     def retrieve(
-        self, x: Tensor, state: Optional[MemoryState] = None, query_cache: Optional[Tensor] = None
+        self, x: Tensor, state: Optional[MemoryState] = None, query_cache: Optional[Tensor] = None,
+        norm_weight: Optional[Tensor] = None,
     ) -> tuple[Tensor, Tensor]:
         """Read-only retrieval h_t = M(q_t) from the memory as it stands in `state` (paper eq. 15).
 
         q comes from x through this memory's W_Q and causal conv; `query_cache` is that conv's cache for
-        the x stream (separate from the update stream's cache in `state`). Returns (h [B, T, dim], cache).
+        the x stream (separate from the update stream's cache in `state`). `norm_weight`: the output norm's gain
+        for this read (`_output`; None: the layer's). Returns (h [B, T, dim], cache).
         """
         if x.dim() != 3 or x.shape[-1] != self.dim:
             raise ValueError(f"x must be [batch, seq, {self.dim}], got shape {tuple(x.shape)}")
@@ -514,9 +518,10 @@ class NeuralMemory(nn.Module):
         if query_cache is not None:
             check_state_shapes("NeuralMemory.retrieve", {
                 "query_cache": (query_cache, (x.shape[0], self.conv.kernel - 1, self.dim))})
-        return self.read(x, self.current_weights(state), query_cache)
+        return self.read(x, self.current_weights(state), query_cache, norm_weight)
 
-    def read(self, x: Tensor, weights: Weights, query_cache: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    def read(self, x: Tensor, weights: Weights, query_cache: Optional[Tensor],
+             norm_weight: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
         """`retrieve` from given current weights (what MAC's static step keeps, `current_weights` taken once a
         segment)."""
         dim = self.dim
@@ -524,4 +529,4 @@ class NeuralMemory(nn.Module):
         proj_q, query_cache = causal_depthwise_conv(proj_q, self.conv.weight[:dim], self.conv.bias[:dim], query_cache)
         q = self._queries(proj_q.to(self._state_dtype()))
         h = memory_apply(q, weights, self.rule)
-        return self._output(h, x), query_cache
+        return self._output(h, x, norm_weight), query_cache

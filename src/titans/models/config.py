@@ -11,7 +11,12 @@ from ..config import Config
 from ..memory.rule import MemoryRule
 
 Variant = Literal["lmm", "mac", "mag", "mal", "transformer", "swa", "lstm", "gated_deltanet"]
-VARIANTS: tuple[str, ...] = get_args(Variant)
+VARIANTS: tuple[str, ...] = get_args(Variant)  # ours: every one builds a TitansLM, streams and saves
+# Models of other implementations, rows beside ours in the experiments (`models/peer.py`): titans-pytorch's
+# MemoryAsContextTransformer (the `compare` extra). They train and evaluate on token tasks; they do not stream.
+PEER_VARIANTS: tuple[str, ...] = ("titans_pytorch_mac",)
+ModelVariant = Literal[Variant, "titans_pytorch_mac"]
+MODEL_VARIANTS: tuple[str, ...] = get_args(ModelVariant)  # every variant a config (an experiment's row) may name
 TITANS_VARIANTS = ("lmm", "mac", "mag", "mal")  # the variants with a neural long-term memory; the rest are baselines
 # Far above any real vocabulary (large LLM tokenizers have ~256k tokens); a typo past it would otherwise fail
 # allocating the embedding table with an allocator traceback instead of an error naming the field.
@@ -102,17 +107,20 @@ def with_earlier_defaults(model: dict[str, Any]) -> dict[str, Any]:
 # Fields a variant's model never reads (paths in the nested config): configs that differ only there build the same
 # model (held in tests/models/test_models.py), so the experiment runner reads such a run back as one. Only fields
 # known unread.
+MAC_SWITCHES = frozenset({"mac_write_input", "mac_residual_read", "mac_position_free_persistent",
+                          "mac_separate_norms"})
+_NOT_MAC = MAC_SWITCHES | {"titans_pytorch"}  # what every variant of ours but MAC leaves unread
 _NO_MEMORY = frozenset(  # the baselines without a neural memory read none of these
-    {"memory.residual", "mal_residual", "memory.learned_init", "memory.max_momentum_step"})
+    {"memory.residual", "mal_residual", "memory.learned_init", "memory.max_momentum_step"}) | _NOT_MAC
 UNREAD_FIELDS: dict[str, frozenset[str]] = {
     "transformer": _NO_MEMORY,
     "swa": _NO_MEMORY,
     "lstm": _NO_MEMORY,
     # its memory fixes its own residual and gates
-    "gated_deltanet": frozenset({"memory.residual", "mal_residual", "memory.max_momentum_step"}),
-    "lmm": frozenset({"mal_residual"}),
-    "mac": frozenset({"mal_residual"}),
-    "mag": frozenset({"mal_residual"}),
+    "gated_deltanet": frozenset({"memory.residual", "mal_residual", "memory.max_momentum_step"}) | _NOT_MAC,
+    "lmm": frozenset({"mal_residual"}) | _NOT_MAC,
+    "mac": frozenset({"mal_residual", "titans_pytorch"}),
+    "mag": frozenset({"mal_residual"}) | _NOT_MAC,
 }
 
 
@@ -137,7 +145,7 @@ def without_fields(model: dict[str, Any], paths: frozenset[str]) -> dict[str, An
 class TitansConfig(Config):
     """Model configuration. CPU-scale defaults; the paper's at-scale values are noted beside them."""
 
-    variant: Variant = "mac"
+    variant: ModelVariant = "mac"
     vocab_size: int = Field(256, ge=1, le=MAX_VOCAB_SIZE)  # byte-level by default
     dim: int = Field(128, ge=1)
     depth: int = Field(2, ge=1)  # number of blocks
@@ -151,6 +159,22 @@ class TitansConfig(Config):
     # MAL: the attention reads u + M(u) and the mixer returns M(u) + SW-Attn(norm(u + M(u))), a residual around each
     # of its two layers (DESIGN.md §3); False: eq. 31 as written, the attention reads M(u) alone
     mal_residual: bool = True
+    # MAC's switches (models/mac.py; each False is the paper's order of operations as we built it, DESIGN.md §3):
+    # write the memory from the block's input x, the stream its queries read, instead of the attention output y
+    # (eq. 24 writes y; titans-pytorch writes its input)
+    mac_write_input: bool = False
+    # also add the retrieved memory h to the residual stream before attention, beside h as attention context (eqs.
+    # 21-22 give h as context only; titans-pytorch adds it to the stream)
+    mac_residual_read: bool = False
+    # score the persistent tokens position-free (q_i · k_p, unrotated queries), as the window attention scores its
+    # prefix; False: rotated queries against unrotated persistent keys
+    mac_position_free_persistent: bool = False
+    # the read used as attention context (eq. 21) and the read used for the output gate (eq. 25) each with its own
+    # output norm; False: the memory's one norm serves both
+    mac_separate_norms: bool = False
+    # variant titans_pytorch_mac: keyword options of titans-pytorch's MemoryAsContextTransformer laid over those
+    # this config gives it (models/peer.py: its README's options, the width, depth, heads, segment and memory here)
+    titans_pytorch: dict[str, Any] = Field(default_factory=dict)
     mlp_ratio: float = Field(4.0, gt=0)  # SwiGLU hidden = mlp_ratio · dim · 2/3 before parameter matching
     match_params: bool = True  # size each variant's MLP so all variants have about the same parameters
     dropout: float = Field(0.0, ge=0, lt=1)

@@ -27,7 +27,7 @@ from ..memory.checks import checks_values
 from ..memory.parallel import COMPILED_GRAPHS, compile_unavailable
 from .baselines import build_gated_deltanet_mixer, build_lstm_mixer, build_swa_mixer, build_transformer_mixer
 from .common import Block, count_parameters, mlp_hidden_size
-from .config import TitansConfig
+from .config import PEER_VARIANTS, TitansConfig
 from .decode import DECODES, StaticDecoder
 from .lmm import build_lmm_mixer
 from .mac import build_mac_mixer
@@ -156,6 +156,9 @@ class TitansLM(nn.Module):
         super().__init__()
         if not isinstance(config, TitansConfig):
             raise ValueError(f"config must be a TitansConfig, got {type(config).__name__}")
+        if config.variant in PEER_VARIANTS:
+            raise ValueError(f"variant {config.variant} is another implementation's model, not a TitansLM: build it "
+                             "with titans.models.peer.PeerMAC (titans.train.build_model does)")
         self.config = config
         self.embed = nn.Embedding(config.vocab_size, config.dim)
         nn.init.normal_(self.embed.weight, std=0.02)

@@ -17,6 +17,16 @@ of y, as MAG's gate does. Causality inside a segment: h_j comes from x_j, so que
 j ≤ i (see `SegmentAttention`). Streaming keeps the memory as of the segment start, the segment's K/V
 so far (< C each) and the memory's current state: constant size, and a stream fed in any pieces
 equals one call.
+
+Switches (TitansConfig.mac_*; each off by default, the model above), the ways titans-pytorch's MAC differs from
+ours, to measure which of them lets MAC learn the route across segments (issue 47, DESIGN.md §1's MAC open item):
+    mac_write_input               M_t ← update with x, read M*_t(x) for the gate: the memory written from the
+                                  stream its queries read (departs from eqs. 24-25, which write and read y)
+    mac_residual_read             ỹ = Attn([p ‖ h ‖ S⁽ᵗ⁾ + h]) and o + h: the read also added to the residual stream
+                                  before attention, beside h as context (departs from eqs. 21-22, context only)
+    mac_position_free_persistent  p scored as q_i · k_p, without the query's rotation, as the window attention
+                                  scores its prefix (the paper gives no positions; ours by default turn with i)
+    mac_separate_norms            h (eq. 21) and M*_t(y) (eq. 25) through output norms of their own
 """
 
 from __future__ import annotations
@@ -78,18 +88,31 @@ class MACMixer(nn.Module):
     def __init__(self, cfg: TitansConfig):
         super().__init__()
         self.segment_len = cfg.segment_len
+        self.write_input, self.residual_read = cfg.mac_write_input, cfg.mac_residual_read
         self.persistent = PersistentMemory(cfg.n_persistent, cfg.dim) if cfg.n_persistent else None
-        self.attention = SegmentAttention(cfg.dim, cfg.heads, cfg.segment_len, cfg.rope_base, cfg.dropout)
-        self.memory_norm = RMSNorm(cfg.dim)
+        self.attention = SegmentAttention(cfg.dim, cfg.heads, cfg.segment_len, cfg.rope_base, cfg.dropout,
+                                          position_free_persistent=cfg.mac_position_free_persistent)
+        # the attention output is normalised before the memory writes it (module docstring); written from the block's
+        # input (already normalised), the memory needs no norm of its own
+        self.memory_norm = None if cfg.mac_write_input else RMSNorm(cfg.dim)
         self.memory = build_memory(cfg)
+        # mac_separate_norms: the context read's own output-norm gain (the gate's read keeps the memory's); shaped
+        # and initialised as the memory's (`NeuralMemory.out_norm_weight`)
+        self.context_norm = nn.Parameter(torch.ones_like(self.memory.out_norm_weight)) \
+            if cfg.mac_separate_norms else None
 
     def _segment(self, x: Tensor, state: MACState) -> tuple[Tensor, MACState]:
-        """x: the next tokens of the current segment (not crossing its end)."""
-        h, query_cache = self.memory.retrieve(x, state.segment_memory, state.query_cache)  # eq. 21
+        """x: the next tokens of the current segment (not crossing its end; already normalised: the block's)."""
+        h, query_cache = self.memory.retrieve(x, state.segment_memory, state.query_cache,  # eq. 21
+                                              norm_weight=self.context_norm)
         persistent = self.persistent.tokens if self.persistent is not None else None
-        y, attention = self.attention(x, h, persistent, state.attention)  # eq. 22
-        gate, memory = self.memory(self.memory_norm(y), state.memory)  # eqs. 23-24: write y, read M*_t(y)
+        # eq. 22 attends over [p ‖ h ‖ S]; mac_residual_read also adds h to the stream it attends from (not eq. 22)
+        y, attention = self.attention(x + h if self.residual_read else x, h, persistent, state.attention)
+        # eqs. 23-24: write y, read M*_t(y); mac_write_input writes x and reads M*_t(x) (not eqs. 24-25)
+        gate, memory = self.memory(x if self.write_input else self.memory_norm(y), state.memory)
         out = y * torch.sigmoid(gate)  # eq. 25
+        if self.residual_read:  # the read stays in the residual stream after the block, as it entered attention
+            out = out + h
         # At a segment boundary the next segment reads the memory as updated by this one.
         segment_memory = memory if attention.length == 0 else state.segment_memory
         return out, MACState(memory, segment_memory, query_cache, attention)
@@ -109,7 +132,6 @@ class MACMixer(nn.Module):
             start += n
         return torch.cat(outputs, 1) if outputs else x[:, :0], state
 
-
     # ------------------------------------------------------------------------------------ static decoding
     def static_state(self, state: MACState, clock: DecodeClock) -> StaticMACState:
         """A stream's `MACState` (after at least one token) in the buffers of a `StaticMACState` (copies)."""
@@ -128,18 +150,19 @@ class MACMixer(nn.Module):
     def _static_step(self, x: Tensor, state: StaticMACState) -> Tensor:
         """`_segment` for one token over a `StaticMACState`, written in place; at a segment end (the host knows it from
         the clock) the memory is copied into the segment's and its current weights taken for the next segment."""
-        h, query_cache = self.memory.read(x, state.segment_weights, state.query_cache)  # eq. 21
+        h, query_cache = self.memory.read(x, state.segment_weights, state.query_cache, self.context_norm)  # eq. 21
         state.query_cache.copy_(query_cache)
         persistent = self.persistent.tokens if self.persistent is not None else None
-        y, _ = self.attention(x, h, persistent, state.attention)  # eq. 22
-        gate, _ = self.memory(self.memory_norm(y), state.memory)  # eqs. 23-24
+        y, _ = self.attention(x + h if self.residual_read else x, h, persistent, state.attention)  # eq. 22
+        gate, _ = self.memory(x if self.write_input else self.memory_norm(y), state.memory)  # eqs. 23-24
         if state.attention.phase():  # this token ends the segment
             for copied, held in zip(state.segment_memory.buffers(), state.memory.buffers()):
                 copied.copy_(held)
             current = self.memory.current_weights(state.memory.view(state.memory.clock.steps + 1))
             for buffer, new in zip(state.segment_weights, current):
                 buffer.copy_(new)
-        return y * torch.sigmoid(gate)  # eq. 25
+        out = y * torch.sigmoid(gate)  # eq. 25
+        return out + h if self.residual_read else out
 
 
 def build_mac_mixer(cfg: TitansConfig) -> MACMixer:

@@ -16,7 +16,10 @@ Versions: 1 wrote the memory's fields flat among the others (`memory_depth`, `ch
 `memory_residual`, ...); 2 writes them in the `memory` section (`memory: {depth, chunk_size, max_lr, residual, loss,
 ...}`, `TitansConfig.memory`). A version-1 section is read by moving each flat field to its place in the section
 (`models.config.FLAT_MEMORY_FIELDS`, the same reading every config gets), those it lacks whose default changed taking
-their earlier value, and the loss, which version 1 did not have, the squared one (the only loss then).
+their earlier value, and the loss, which version 1 did not have, the squared one (the only loss then). 3 adds MAC's
+switches (`mac_write_input`, `mac_residual_read`, `mac_position_free_persistent`, `mac_separate_norms`) and the
+`titans_pytorch` options of the peer variant: a version-2 file lacks them and loads with their defaults, the model it
+was saved from.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from typing import Any
 from .config import TitansConfig, with_earlier_defaults
 
 MODEL_TYPE = "titans"
-FORMAT_VERSION = 2  # raise it with every TitansConfig field added (see the module docstring)
+FORMAT_VERSION = 3  # raise it with every TitansConfig field added (see the module docstring)
 SECTION = "titans"
 VERSION_KEY = "titans_format_version"
 

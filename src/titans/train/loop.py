@@ -30,7 +30,9 @@ from torch.distributed.tensor import DTensor
 from tqdm.auto import tqdm
 
 from ..models import ClassificationHead, ForecastHead, TitansEncoder, TitansLM
+from ..models.config import PEER_VARIANTS
 from ..models.lm import Backbone
+from ..models.peer import PeerMAC, check_streaming, implementation_record
 from ..models.state_io import detached
 from ..tasks import IGNORE_INDEX, LabelBatch, Task, TokenBatch, bits_per_byte, exact_match, get_task, tokens_right
 from ..tasks.base import Batch
@@ -107,6 +109,11 @@ def build_model(cfg: TrainConfig, task: Task) -> nn.Module:
     """A TitansLM for token tasks; a TitansEncoder with a next-step forecasting head for series tasks, or with a
     linear classifier of its last hidden state for classification tasks."""
     check_model_fits_task(cfg.model, task)
+    if cfg.model.variant in PEER_VARIANTS:  # another implementation's model: token tasks, whole sequences only
+        if task.vocab_size is None:
+            raise ValueError(f"variant {cfg.model.variant} is a language model; task {task.name} is not a token task")
+        check_streaming(cfg.eval_piece, cfg.carry_windows)
+        return PeerMAC(cfg.model)
     if task.vocab_size is not None:
         return TitansLM(cfg.model)
     encoder = TitansEncoder(embed_dim=task.num_features, config=cfg.model)
@@ -773,6 +780,7 @@ class Trainer:
                  "step": self.step, "train_seconds": self.train_seconds, "num_parameters": num_parameters,
                  "skipped_steps": self.skipped_steps, "peak_grad_norm": self.peak_grad[0],
                  "peak_grad_step": self.peak_grad[1], "momentum_bound_share": bound_share(bound),
+                 **implementation_record(self.model),  # another implementation's package, version and options
                  "results": {str(k): v for k, v in evaluation.items()}}, indent=2))
             self.metrics.close()
         loss = self.last_read.loss if self.last_read is not None else math.nan  # nan: resumed with no step left
