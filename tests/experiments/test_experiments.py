@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from titans.cli import app
 from titans.experiments import expand, experiment_names, load_experiment, run_experiment, write_report
 from titans.experiments.measure import memory_reader
-from titans.experiments.report import README_END, README_START, fmt, load_results, plot_models
+from titans.experiments.report import README_END, README_START, fmt, load_results, plot_models, stale_rows
 from titans.experiments.runner import _train_or_error, describe_run, finished, resumable, train_one, train_results
 from titans.models.config import FLAT_MEMORY_FIELDS
 from titans.tasks import measure_capacity
@@ -548,22 +548,27 @@ def test_report_is_written_from_the_json_alone(quick_results, tmp_path):
     assert f"{value:.2f}" in text
     block = readme.read_text()
     assert block.startswith("intro\n") and block.endswith("outro\n") and "old block" not in block
-    assert "RESULTS.md" in block and block.count("|---|") == len(load_results(copied))  # a headline each
+    assert "RESULTS.md" in block and block.count("| result | Titans |") == 1  # one headline table; the grids are in RESULTS.md
 
 
-def test_a_headline_over_tasks_shows_each_panels_smallest_and_largest_x(quick_results):
-    """MQAR's x is the number of pairs: its README table needs the easy end beside the hard one, where at a small
-    budget every model may be at chance."""
-    from titans.experiments.report import headline
+def test_the_readme_headline_is_one_table_of_current_rows_each_with_its_command():
+    """From the committed results: a row per claim of HEADLINE, its value read from the JSON at the panel's largest x,
+    the command that wrote the JSON beside it; a row trained under an earlier config (stale) never reaches the
+    README, and a claim left with no current Titans row is left out whole."""
+    from titans.experiments.report import HEADLINE, headline
 
-    results_dir, _ = quick_results
-    data = json.loads((results_dir / "mqar.json").read_text())
-    table = headline(data, "RESULTS.md", "mqar.png")
-    assert "at the smallest and the largest key-value pairs of each panel" in table
-    assert "| model | dim16 2 | dim16 4 | dim32 2 | dim32 4 |" in table
-    settings = ("dim16/2", "dim16/4", "dim32/2", "dim32/4")
-    row = " | ".join(fmt(data["results"]["lstm"][s], data["metric"]) for s in settings)
-    assert f"| lstm | {row} |" in table
+    experiments = load_results(ROOT / "docs" / "results")
+    table = headline(experiments, "docs/RESULTS.md")
+    assert table.count("| result | Titans |") == 1 and "(stale)" not in table and "docs/RESULTS.md" in table
+    long = next(d for d in experiments if d["experiment"] == "long")
+    assert f"lmm {fmt(long['results']['lmm']['16384'], 'accuracy')}" in table and "`titans experiment run long`" in table
+    niah = next(d for d in experiments if d["experiment"] == "niah")
+    assert ("niah", "passkey") in {(name, panel) for name, panel, _, _ in HEADLINE}
+    current = [m for m in ("lmm", "mac", "mag", "mal") if m not in stale_rows(niah)]
+    assert ("S-NIAH" in table) == bool(current)
+    lmm, mac = (f"{m} {fmt(long['results'][m]['16384'], 'accuracy')}" for m in ("lmm", "mac"))
+    long["stale"] = {run_id: ["a change"] for run_id, r in long["runs"].items() if r.get("model") == "lmm"}
+    assert lmm not in headline(experiments, "RESULTS.md") and mac in headline(experiments, "RESULTS.md")
 
 
 def test_runs_the_time_budget_stopped_short_are_named(quick_results, tmp_path):
