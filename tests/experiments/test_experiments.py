@@ -548,7 +548,24 @@ def test_report_is_written_from_the_json_alone(quick_results, tmp_path):
     assert f"{value:.2f}" in text
     block = readme.read_text()
     assert block.startswith("intro\n") and block.endswith("outro\n") and "old block" not in block
-    assert "RESULTS.md" in block and block.count("| result | Titans |") == 1  # one headline table; the grids are in RESULTS.md
+    assert "RESULTS.md" in block and block.count("| result | Titans |") == 1  # one table; the grids: RESULTS.md
+
+
+def test_the_hand_written_notes_of_results_md_survive_a_report(tmp_path):
+    """RESULTS.md from NOTES_START on is the notes behind DESIGN.md's choices: a report rewrites every table above it
+    and keeps them as they are (and writes none where there were none)."""
+    from titans.experiments.report import NOTES_START
+
+    results = tmp_path / "results"
+    results.mkdir()
+    shutil.copy(ROOT / "docs" / "results" / "long.json", results)
+    out = tmp_path / "RESULTS.md"
+    assert NOTES_START not in write_report(results, out).read_text()
+    notes = f"{NOTES_START}\n\n## Notes\n\nA probe, its command.\n"
+    out.write_text("an old table\n\n" + notes)
+    text = write_report(results, out).read_text()
+    assert text.endswith("\n" + notes) and "an old table" not in text and "Long context" in text
+    assert write_report(results, out).read_text() == text  # a second report changes nothing
 
 
 def test_the_readme_headline_is_one_table_of_current_rows_each_with_its_command():
@@ -561,7 +578,8 @@ def test_the_readme_headline_is_one_table_of_current_rows_each_with_its_command(
     table = headline(experiments, "docs/RESULTS.md")
     assert table.count("| result | Titans |") == 1 and "(stale)" not in table and "docs/RESULTS.md" in table
     long = next(d for d in experiments if d["experiment"] == "long")
-    assert f"lmm {fmt(long['results']['lmm']['16384'], 'accuracy')}" in table and "`titans experiment run long`" in table
+    assert f"lmm {fmt(long['results']['lmm']['16384'], 'accuracy')}" in table
+    assert "`titans experiment run long`" in table
     niah = next(d for d in experiments if d["experiment"] == "niah")
     assert ("niah", "passkey") in {(name, panel) for name, panel, _, _ in HEADLINE}
     current = [m for m in ("lmm", "mac", "mag", "mal") if m not in stale_rows(niah)]
