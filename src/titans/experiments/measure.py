@@ -192,8 +192,8 @@ def efficiency_results(exp: Experiment, points_dir: Path, quiet: bool = False) -
     """The efficiency JSON body: one row per variant (and the reference), panels for training tokens/s, peak memory
     and generation tokens/s, x the sequence length. Points run one at a time: timings taken side by side would
     measure each other. Each point is kept in `points_dir` and reused on the same machine with the same settings."""
-    from ..bench import describe_machine
     from ..bench.memory import reference_available
+    from ..commands.bench import describe_machine
     from ..train.config import load_train_config
     from .runner import cached, run_parallel
 

@@ -83,8 +83,7 @@ def memory(
     out: Optional[Path] = typer.Option(None, help="Write the points as JSON here."),
 ) -> None:
     """NeuralMemory tokens/s (forward, forward+backward) and peak memory, against the reference."""
-    from ..memory.parallel import IMPLEMENTATIONS
-    from .memory import (
+    from ..bench.memory import (
         best_of,
         format_implementations,
         format_loss_cost,
@@ -94,6 +93,7 @@ def memory(
         reference_available,
         run_point,
     )
+    from ..memory.parallel import IMPLEMENTATIONS
 
     seq_lens = _int_list(lengths, "lengths")
     try:
@@ -155,7 +155,7 @@ def matmul(
     repeats: int = typer.Option(5, min=1, help="Timed passes (the best is reported)."),
 ) -> None:
     """The memory's n-row state products from cache and from DRAM, beside the machine's streaming bandwidth."""
-    from .matmul import format_table, measure, stream_gib_s
+    from ..bench.matmul import format_table, measure, stream_gib_s
 
     typer.echo(format_table(measure(rows, d_in, d_out, batch, dram_mib, repeats)))
     typer.echo(f"streaming read (sum over {dram_mib} MiB): {stream_gib_s(dram_mib, repeats):.1f} GiB/s; "
@@ -204,7 +204,7 @@ def stability(
     from functools import partial
     from multiprocessing import get_context
 
-    from .stability import (
+    from ..bench.stability import (
         RULES,
         StabilityGrid,
         as_json,
@@ -270,9 +270,9 @@ def recall(
     from concurrent.futures import ProcessPoolExecutor
     from multiprocessing import get_context
 
+    from ..bench.recall import MULTIPLES, SIZES, TASKS, collect, format_table, recall_config
     from ..experiments import train_one
     from ..models import VARIANTS
-    from .recall import MULTIPLES, SIZES, TASKS, collect, format_table, recall_config
 
     chosen_variants = _choices(variants, "variants", VARIANTS)
     chosen_tasks = _choices(tasks, "tasks", tuple(TASKS))
@@ -319,7 +319,7 @@ def backward(
 
     import torch
 
-    from .backward import replay
+    from ..bench.backward import replay
 
     chosen = _int_list(steps, "steps", minimum=0) if steps else None
     precision = "float64" if float64 else "float32"
@@ -368,10 +368,10 @@ def generate(
 
     import torch
 
+    from ..bench.generate import format_table, measure_generation
     from ..config import apply_overrides
     from ..experiments.spec import load_experiment
     from ..models import VARIANTS
-    from .generate import format_table, measure_generation
 
     if threads is not None:
         torch.set_num_threads(threads)
@@ -401,7 +401,7 @@ def loader(
     """Tokens per second from memory-mapped shards into (pinned, where there is a GPU) batches, as training draws."""
     import torch
 
-    from .loader import as_record, measure_loader
+    from ..bench.loader import as_record, measure_loader
 
     torch.set_num_threads(threads)
     try:
@@ -432,7 +432,7 @@ def gpu(
     JSON as it finishes; the summary table last."""
     import torch
 
-    from .gpu import BENCHMARKS, run, summary
+    from ..bench.gpu import BENCHMARKS, run, summary
 
     chosen = _choices(only, "only", BENCHMARKS)
     if not quick and (device == "cpu" or (device is None and not torch.cuda.is_available())):
