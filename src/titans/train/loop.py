@@ -496,8 +496,9 @@ class Trainer:
     still queued on the device. On the CPU a read costs nothing and every step is read at once.
     """
 
-    def __init__(self, cfg: TrainConfig, run_dir: Path, quiet: bool = False, defer_reads: bool | None = None):
-        self.cfg, self.run_dir, self.quiet = cfg, Path(run_dir), quiet
+    def __init__(self, cfg: TrainConfig, run_dir: Path, quiet: bool = False, defer_reads: bool | None = None,
+                 bar_position: int | None = None):
+        self.cfg, self.run_dir, self.quiet, self.bar_position = cfg, Path(run_dir), quiet, bar_position
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
         self.world = dist.get_world_size() if self.distributed else 1
@@ -727,7 +728,9 @@ class Trainer:
         if self.rank == 0:
             cfg.to_yaml(self.run_dir / "config.yaml")
         self.model.train()
-        bar = tqdm(total=cfg.steps, initial=self.step, desc=cfg.run_name, dynamic_ncols=True, leave=False,
+        # A positioned bar is one of several processes' bars on one terminal (the demo's): it stays when done.
+        bar = tqdm(total=cfg.steps, initial=self.step, desc=cfg.run_name, dynamic_ncols=True,
+                   position=self.bar_position, leave=self.bar_position is not None,
                    disable=True if self.quiet or self.rank else None)  # None: off when not a terminal
         window_start, window_steps = time.perf_counter(), 0
         while self.step < cfg.steps:
@@ -824,7 +827,7 @@ def setup_distributed(device: str = "cpu", sharded: bool = False) -> bool:
 
 
 def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, quiet: bool = False,
-          force: bool = False) -> TrainResult:
+          force: bool = False, bar_position: int | None = None) -> TrainResult:
     """Train `cfg` into a new run directory `run_dir` (an existing titans run there only with `force`, which
     replaces it); with `resume`, continue that run from its latest checkpoint.
 
@@ -834,7 +837,7 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, quiet: bool = F
     lead = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
     if lead:
         check_run_dir(run_dir, force, resume)
-    trainer = Trainer(cfg, run_dir, quiet=quiet)
+    trainer = Trainer(cfg, run_dir, quiet=quiet, bar_position=bar_position)
     if lead:
         prepare_run_dir(run_dir, force, resume)
     if trainer.distributed:
