@@ -7,7 +7,7 @@ from typer.testing import CliRunner
 
 from titans.bench.memory import BenchPoint, best_of, format_table
 from titans.cli import app
-from titans.commands.bench import describe_machine
+from titans.machine import describe_machine
 
 
 def test_bench_runs_points_and_writes_json(tmp_path):

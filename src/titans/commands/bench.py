@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import platform
 import sys
 from pathlib import Path
 from typing import Optional
 
 import typer
+
+from ..machine import describe_machine, reference_available
 
 bench_app = typer.Typer(help="Throughput and memory benchmarks.", no_args_is_help=True)
 
@@ -18,22 +18,6 @@ bench_app = typer.Typer(help="Throughput and memory benchmarks.", no_args_is_hel
 @bench_app.callback()
 def _group() -> None:
     """Throughput and memory benchmarks (commands, not tests)."""
-
-
-def describe_machine(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
-    """The CPU the numbers were measured on, e.g. "AMD EPYC (cpu family 26, model 2, AVX-512), 2 CPUs".
-
-    The same code runs at half the speed on another VM of the same size (docs/PERFORMANCE.md, the seventh stop), so
-    every table says which machine made it."""
-    from ..memory.state_ops import cpu_info
-
-    fields = cpu_info(cpuinfo)
-    name = fields.get("model name") or platform.processor() or platform.machine() or "unknown CPU"
-    details = [f"{key} {fields[key]}" for key in ("cpu family", "model") if key in fields]
-    if "avx512f" in fields.get("flags", "").split():
-        details.append("AVX-512")
-    described = f"{name} ({', '.join(details)})" if details else name
-    return f"{described}, {os.cpu_count()} CPUs"
 
 
 def _int_list(text: str, name: str, minimum: int = 1) -> list[int]:
@@ -90,7 +74,6 @@ def memory(
         format_rule_cost,
         format_table,
         parse_losses,
-        reference_available,
         run_point,
     )
     from ..memory.parallel import IMPLEMENTATIONS
