@@ -811,7 +811,7 @@ def test_bad_experiment_files_name_the_problem(tmp_path, name):
 
 
 def test_streamed_evaluation_matches_whole_sequences():
-    from titans.train.loop import EvalPlan, evaluate
+    from titans.train import EvalPlan, evaluate
 
     exp = load_experiment("long", quick=True, folder=FOLDER)
     for run in expand(exp):

@@ -457,7 +457,7 @@ def test_lm_bytes_rows_do_not_look_up_the_stdlib_each(monkeypatch):
     looked up once, not per row (sysconfig's lookup was 0.8 ms a row, most of a batch's build)."""
     import sysconfig
 
-    from titans.train.loop import sample_rows
+    from titans.train.batches import sample_rows
 
     task = get_task("lm_bytes")
     before = sample_rows(task, range(8), 64, 1, 0, 0)

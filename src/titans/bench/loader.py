@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..tasks import get_task
-from ..train.loop import TRAIN_STREAM, sample_rows
+from ..train.batches import TRAIN_STREAM, sample_rows
 
 
 @dataclass(frozen=True)
