@@ -296,7 +296,7 @@ def test_runs_of_an_earlier_config_are_shown_marked_stale_until_trained_again(qu
     """After a default or the grid changed, `--no-train` rewrites the JSON without training: a run recorded under
     the earlier config keeps its values and its config as trained, is pending and listed stale with the fields that
     changed, and the report says so; training it again clears the mark."""
-    from titans.experiments.report import headline, section
+    from titans.experiments.report import headline_row, section
 
     results_dir, _ = quick_results
     exp = load_experiment("niah", quick=True, folder=FOLDER)
@@ -321,11 +321,13 @@ def test_runs_of_an_earlier_config_are_shown_marked_stale_until_trained_again(qu
     text = section(data, clone / "niah.json", clone / "niah.png", clone)
     assert f"**Incomplete**: {total - 1} of {total} runs finished; 1 more are shown as trained under an earlier " \
            "config" in text and "model.memory.residual: true → false (1 runs)" in text
-    head = headline(data, "RESULTS.md", "niah.png")
-    assert "shown from an earlier config" in head
-    row = data["runs"][changed]["model"]
-    assert f"| {row} (stale) |" in head and all(f"| {other} (stale)" not in head for other in data["results"]
-                                                 if other != row)
+    row = data["runs"][changed]["model"]  # the README's table leaves the stale row out, and only it
+    panel = next(iter(data["panels"]))
+    setting = data["panels"][panel]["settings"][-1]
+    cells = {m: f"{m} {fmt(v[setting], data['metric'])}" for m, v in data["results"].items()
+             if v.get(setting) is not None}
+    head = headline_row(data, panel, tuple(data["results"]), (), "RESULTS.md") or ""
+    assert cells[row] not in head and all(cell in head for m, cell in cells.items() if m != row)
     after = json.loads(run_experiment(exp, clone, tmp_path / "runs", jobs=1, quick=True, quiet=True).read_text())
     assert len(calls) == 1 and "stale" not in after and "pending" not in after
     assert after["runs"][changed]["config"]["model"]["memory"]["residual"] is False
@@ -469,7 +471,7 @@ def test_only_takes_globs_over_run_ids(quick_results, tmp_path, monkeypatch):
     assert calls == []
 
 def test_an_incomplete_grid_and_runs_from_several_machines_are_said_in_the_report(quick_results, tmp_path):
-    from titans.experiments.report import headline, section
+    from titans.experiments.report import headline_row, section
 
     results_dir, _ = quick_results
     data = json.loads((results_dir / "niah.json").read_text())
@@ -478,7 +480,8 @@ def test_an_incomplete_grid_and_runs_from_several_machines_are_said_in_the_repor
     data["runs"] = {first: {**data["runs"][first], "machine": "machine A"}}
     text = section(data, results_dir / "niah.json", results_dir / "niah.png", results_dir)
     assert f"**Incomplete**: 1 of {1 + len(rest)} runs finished" in text
-    assert f"incomplete, 1 of {1 + len(rest)} runs finished" in headline(data, "RESULTS.md", "niah.png")
+    row = headline_row(data, next(iter(data["panels"])), ("lmm",), ("transformer",), "RESULTS.md")
+    assert f"incomplete, 1 of {1 + len(rest)} runs finished" in row
     data["runs"]["other"] = {**data["runs"][first], "machine": "machine B"}
     text = section(data, results_dir / "niah.json", results_dir / "niah.png", results_dir)
     assert "machine A (1 runs); machine B (1 runs)" in text
@@ -841,7 +844,7 @@ def test_lm_carries_bits_per_byte_against_position(quick_results, tmp_path):
             kept = json.loads((runs_dir / "lm" / run_id / "eval.json").read_text())["results"][str(length)]
             assert [run["values"][s] for s in panel["settings"]] == kept["bits_per_byte_by_position"]
     assert sum("the first span of positions" in line for line in observations(data)) == len(exp.eval_lengths)
-    assert "by position" not in headline(data, "RESULTS.md", "lm.png")
+    assert "by position" not in headline([data], "RESULTS.md")
     write_report(results_dir, tmp_path / "RESULTS.md")
     assert "bits_per_byte by position at 128:" in (tmp_path / "RESULTS.md").read_text()
 

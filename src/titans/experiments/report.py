@@ -478,6 +478,8 @@ def headline_row(data: dict[str, Any], panel_name: str, titans: tuple[str, ...],
     if data.get("kind", "train") in TRAINED and data.get("x_axis", "length") == "length" and len(panel["x"]) > 1:
         where += f", trained at {x_text(panel['x'][0])}"
     better = "higher is better" if panel_better(data, panel) else "lower is better"
+    if data.get("pending"):  # the rows shown are current; the grid is not finished
+        better += f"; incomplete, {partial_text(data)}"
     return (f"| [{title}]({results_md}#{anchor}): {metric} at {where} ({better}) | {ours} | {theirs or '-'} | "
             f"`{data.get('command', 'titans experiment run ' + data['experiment'])}` |")
 
