@@ -71,7 +71,10 @@ def main() -> None:
                           if a.get("status") == b.get("status") == "ok") for seq in lengths}
     medians = {seq: (r[len(r) // 2] + r[(len(r) - 1) // 2]) / 2 if r else None for seq, r in paired.items()}
     sys.path.insert(0, str(trees["after"] / "src"))
-    from titans.bench import describe_machine
+    try:  # where the tree under test keeps it (bench/__init__.py before issue 46)
+        from titans.machine import describe_machine
+    except ImportError:
+        from titans.bench import describe_machine
 
     result = {"what": "NeuralMemory forward+backward tokens/s of the squared loss (the default rule), the library "
                       "before issue 45 against after it, one run, trees alternating; best of the rounds",

@@ -16,7 +16,7 @@ from typing import Any
 
 import typer
 
-from .bench import bench_app
+from .commands.bench import bench_app
 
 app = typer.Typer(help="Titans neural long-term memory: train, evaluate, generate, benchmark, demo.",
                   no_args_is_help=True, pretty_exceptions_enable=False)

@@ -11,8 +11,8 @@ from typer.testing import CliRunner
 from titans.bench.backward import Replay, load_replay, read_in_pieces, replay, replay_step, update_chain
 from titans.cli import app
 from titans.train import train
+from titans.train.batches import TRAIN_STREAM, position_loss, sample_rows, scored_positions
 from titans.train.config import TrainConfig
-from titans.train.loop import TRAIN_STREAM, position_loss, sample_rows, scored_positions
 
 
 def tiny_run(tmp_path, variant: str, **model) -> TrainConfig:

@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 
 from titans.cli import app, main
 from titans.tasks import get_task
-from titans.train.loop import TRAIN_STREAM, sample_rows
+from titans.train.batches import TRAIN_STREAM, sample_rows
 
 pytest.importorskip("tokenizers", reason="the data extra (tokenizers) is not installed")
 runner = CliRunner()

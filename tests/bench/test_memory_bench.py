@@ -5,9 +5,9 @@ import os
 
 from typer.testing import CliRunner
 
-from titans.bench import describe_machine
 from titans.bench.memory import BenchPoint, best_of, format_table
 from titans.cli import app
+from titans.machine import describe_machine
 
 
 def test_bench_runs_points_and_writes_json(tmp_path):

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from titans.cli import app
 from titans.experiments import expand, experiment_names, load_experiment, run_experiment, write_report
 from titans.experiments.measure import memory_reader
-from titans.experiments.report import README_END, README_START, fmt, load_results, plot_models
+from titans.experiments.report import README_END, README_START, fmt, load_results, plot_models, stale_rows
 from titans.experiments.runner import _train_or_error, describe_run, finished, resumable, train_one, train_results
 from titans.models.config import FLAT_MEMORY_FIELDS, PEER_VARIANTS
 from titans.tasks import measure_capacity
@@ -297,7 +297,7 @@ def test_runs_of_an_earlier_config_are_shown_marked_stale_until_trained_again(qu
     """After a default or the grid changed, `--no-train` rewrites the JSON without training: a run recorded under
     the earlier config keeps its values and its config as trained, is pending and listed stale with the fields that
     changed, and the report says so; training it again clears the mark."""
-    from titans.experiments.report import headline, section
+    from titans.experiments.report import headline_row, section
 
     results_dir, _ = quick_results
     exp = load_experiment("niah", quick=True, folder=FOLDER)
@@ -322,11 +322,13 @@ def test_runs_of_an_earlier_config_are_shown_marked_stale_until_trained_again(qu
     text = section(data, clone / "niah.json", clone / "niah.png", clone)
     assert f"**Incomplete**: {total - 1} of {total} runs finished; 1 more are shown as trained under an earlier " \
            "config" in text and "model.memory.residual: true → false (1 runs)" in text
-    head = headline(data, "RESULTS.md", "niah.png")
-    assert "shown from an earlier config" in head
-    row = data["runs"][changed]["model"]
-    assert f"| {row} (stale) |" in head and all(f"| {other} (stale)" not in head for other in data["results"]
-                                                 if other != row)
+    row = data["runs"][changed]["model"]  # the README's table leaves the stale row out, and only it
+    panel = next(iter(data["panels"]))
+    setting = data["panels"][panel]["settings"][-1]
+    cells = {m: f"{m} {fmt(v[setting], data['metric'])}" for m, v in data["results"].items()
+             if v.get(setting) is not None}
+    head = headline_row(data, panel, tuple(data["results"]), (), "RESULTS.md") or ""
+    assert cells[row] not in head and all(cell in head for m, cell in cells.items() if m != row)
     after = json.loads(run_experiment(exp, clone, tmp_path / "runs", jobs=1, quick=True, quiet=True).read_text())
     assert len(calls) == 1 and "stale" not in after and "pending" not in after
     assert after["runs"][changed]["config"]["model"]["memory"]["residual"] is False
@@ -475,7 +477,7 @@ def test_only_takes_globs_over_run_ids(quick_results, tmp_path, monkeypatch):
     assert calls == []
 
 def test_an_incomplete_grid_and_runs_from_several_machines_are_said_in_the_report(quick_results, tmp_path):
-    from titans.experiments.report import headline, section
+    from titans.experiments.report import headline_row, section
 
     results_dir, _ = quick_results
     data = json.loads((results_dir / "niah.json").read_text())
@@ -484,7 +486,8 @@ def test_an_incomplete_grid_and_runs_from_several_machines_are_said_in_the_repor
     data["runs"] = {first: {**data["runs"][first], "machine": "machine A"}}
     text = section(data, results_dir / "niah.json", results_dir / "niah.png", results_dir)
     assert f"**Incomplete**: 1 of {1 + len(rest)} runs finished" in text
-    assert f"incomplete, 1 of {1 + len(rest)} runs finished" in headline(data, "RESULTS.md", "niah.png")
+    row = headline_row(data, next(iter(data["panels"])), ("lmm",), ("transformer",), "RESULTS.md")
+    assert f"incomplete, 1 of {1 + len(rest)} runs finished" in row
     data["runs"]["other"] = {**data["runs"][first], "machine": "machine B"}
     text = section(data, results_dir / "niah.json", results_dir / "niah.png", results_dir)
     assert "machine A (1 runs); machine B (1 runs)" in text
@@ -554,22 +557,45 @@ def test_report_is_written_from_the_json_alone(quick_results, tmp_path):
     assert f"{value:.2f}" in text
     block = readme.read_text()
     assert block.startswith("intro\n") and block.endswith("outro\n") and "old block" not in block
-    assert "RESULTS.md" in block and block.count("|---|") == len(load_results(copied))  # a headline each
+    assert "RESULTS.md" in block and block.count("| result | Titans |") == 1  # one table; the grids: RESULTS.md
 
 
-def test_a_headline_over_tasks_shows_each_panels_smallest_and_largest_x(quick_results):
-    """MQAR's x is the number of pairs: its README table needs the easy end beside the hard one, where at a small
-    budget every model may be at chance."""
-    from titans.experiments.report import headline
+def test_the_hand_written_notes_of_results_md_survive_a_report(tmp_path):
+    """RESULTS.md from NOTES_START on is the notes behind DESIGN.md's choices: a report rewrites every table above it
+    and keeps them as they are (and writes none where there were none)."""
+    from titans.experiments.report import NOTES_START
 
-    results_dir, _ = quick_results
-    data = json.loads((results_dir / "mqar.json").read_text())
-    table = headline(data, "RESULTS.md", "mqar.png")
-    assert "at the smallest and the largest key-value pairs of each panel" in table
-    assert "| model | dim16 2 | dim16 4 | dim32 2 | dim32 4 |" in table
-    settings = ("dim16/2", "dim16/4", "dim32/2", "dim32/4")
-    row = " | ".join(fmt(data["results"]["lstm"][s], data["metric"]) for s in settings)
-    assert f"| lstm | {row} |" in table
+    results = tmp_path / "results"
+    results.mkdir()
+    shutil.copy(ROOT / "docs" / "results" / "long.json", results)
+    out = tmp_path / "RESULTS.md"
+    assert NOTES_START not in write_report(results, out).read_text()
+    notes = f"{NOTES_START}\n\n## Notes\n\nA probe, its command.\n"
+    out.write_text("an old table\n\n" + notes)
+    text = write_report(results, out).read_text()
+    assert text.endswith("\n" + notes) and "an old table" not in text and "Long context" in text
+    assert write_report(results, out).read_text() == text  # a second report changes nothing
+
+
+def test_the_readme_headline_is_one_table_of_current_rows_each_with_its_command():
+    """From the committed results: a row per claim of HEADLINE, its value read from the JSON at the panel's largest x,
+    the command that wrote the JSON beside it; a row trained under an earlier config (stale) never reaches the
+    README, and a claim left with no current Titans row is left out whole."""
+    from titans.experiments.report import HEADLINE, headline
+
+    experiments = load_results(ROOT / "docs" / "results")
+    table = headline(experiments, "docs/RESULTS.md")
+    assert table.count("| result | Titans |") == 1 and "(stale)" not in table and "docs/RESULTS.md" in table
+    long = next(d for d in experiments if d["experiment"] == "long")
+    assert f"lmm {fmt(long['results']['lmm']['16384'], 'accuracy')}" in table
+    assert "`titans experiment run long`" in table
+    niah = next(d for d in experiments if d["experiment"] == "niah")
+    assert ("niah", "passkey") in {(name, panel) for name, panel, _, _ in HEADLINE}
+    current = [m for m in ("lmm", "mac", "mag", "mal") if m not in stale_rows(niah)]
+    assert ("S-NIAH" in table) == bool(current)
+    lmm, mac = (f"{m} {fmt(long['results'][m]['16384'], 'accuracy')}" for m in ("lmm", "mac"))
+    long["stale"] = {run_id: ["a change"] for run_id, r in long["runs"].items() if r.get("model") == "lmm"}
+    assert lmm not in headline(experiments, "RESULTS.md") and mac in headline(experiments, "RESULTS.md")
 
 
 def test_runs_the_time_budget_stopped_short_are_named(quick_results, tmp_path):
@@ -794,7 +820,7 @@ def test_bad_experiment_files_name_the_problem(tmp_path, name):
 
 
 def test_streamed_evaluation_matches_whole_sequences():
-    from titans.train.loop import EvalPlan, evaluate
+    from titans.train import EvalPlan, evaluate
 
     exp = load_experiment("long", quick=True, folder=FOLDER)
     for run in expand(exp):
@@ -824,7 +850,7 @@ def test_lm_carries_bits_per_byte_against_position(quick_results, tmp_path):
             kept = json.loads((runs_dir / "lm" / run_id / "eval.json").read_text())["results"][str(length)]
             assert [run["values"][s] for s in panel["settings"]] == kept["bits_per_byte_by_position"]
     assert sum("the first span of positions" in line for line in observations(data)) == len(exp.eval_lengths)
-    assert "by position" not in headline(data, "RESULTS.md", "lm.png")
+    assert "by position" not in headline([data], "RESULTS.md")
     write_report(results_dir, tmp_path / "RESULTS.md")
     assert "bits_per_byte by position at 128:" in (tmp_path / "RESULTS.md").read_text()
 

@@ -12,7 +12,7 @@ import torch
 
 from titans.tasks import get_task
 from titans.train import EvalPlan, evaluate, load_train_config
-from titans.train.loop import TRAIN_STREAM, sample_rows
+from titans.train.batches import TRAIN_STREAM, sample_rows
 
 pytest.importorskip("tokenizers", reason="the data extra (tokenizers) is not installed")
 

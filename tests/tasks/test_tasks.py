@@ -453,11 +453,11 @@ def test_lm_bytes_default_corpus_is_the_stdlib():
 
 
 def test_lm_bytes_rows_do_not_look_up_the_stdlib_each(monkeypatch):
-    """A training batch is drawn row by row (one generator per row, `train.loop.sample_rows`): the stdlib's path is
+    """A training batch is drawn row by row (one generator per row, `train.batches.sample_rows`): the stdlib's path is
     looked up once, not per row (sysconfig's lookup was 0.8 ms a row, most of a batch's build)."""
     import sysconfig
 
-    from titans.train.loop import sample_rows
+    from titans.train.batches import sample_rows
 
     task = get_task("lm_bytes")
     before = sample_rows(task, range(8), 64, 1, 0, 0)

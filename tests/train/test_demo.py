@@ -41,6 +41,7 @@ def test_demo_writes_table_plot_and_json(tmp_path, tiny_config):
         assert data["runs"][name]["steps"] == 3
     assert (out / "demo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and (out / "demo.png").stat().st_size > 5000
     assert format_table(data["results"]) in result.stdout
+    assert data["wall_seconds"] > 0 and "s of training and evaluation (wall clock" in result.stdout  # time printed
 
     again = CliRunner().invoke(app, args)  # the output directory is not overwritten without --force
     assert again.exit_code == 2 and "already exists" in again.stderr

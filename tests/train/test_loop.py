@@ -12,16 +12,19 @@ from titans.train import (
     EvalPlan,
     OptimConfig,
     Trainer,
+    batches,
     build_model,
     build_task,
     evaluate,
+    evaluation,
     load_train_config,
     loop,
     lr_at,
     train,
 )
+from titans.train.batches import derive_seed, sample_rows
 from titans.train.checkpoint import latest_checkpoint, list_checkpoints
-from titans.train.loop import derive_seed, make_optimizer, sample_rows
+from titans.train.loop import make_optimizer
 
 
 def test_schedule_warmup_then_cosine_to_the_floor():
@@ -144,7 +147,7 @@ def test_loss_by_position_is_the_mean_of_each_span_of_positions(tiny_config):
     torch.manual_seed(0)
     model = build_model(cfg, task).double()
     metrics = evaluate(model, task, [30], EvalPlan(batches=2, batch_size=3, position_buckets=4))[30]
-    batch = sample_rows(task, range(6), 30, loop.EVAL_STREAM, 0, 30)
+    batch = sample_rows(task, range(6), 30, batches.EVAL_STREAM, 0, 30)
     losses = torch.stack([torch.nn.functional.cross_entropy(model(row[None])[0][0], target, reduction="none")
                           for row, target in zip(batch.inputs, batch.targets)]).mean(0)
     assert metrics["position_ends"] == [7, 15, 22, 30]
@@ -165,7 +168,7 @@ def test_position_buckets_are_refused_where_they_cannot_be_kept(tiny_config):
     with pytest.raises(ValueError, match="position_buckets is for token tasks; forecast_sine"):
         evaluate(None, get_task("forecast_sine"), [24], EvalPlan(1, 1, position_buckets=2))
     with pytest.raises(ValueError, match="between 1 and the length"):
-        loop.position_ends(4, 5)
+        evaluation.position_ends(4, 5)
 
 
 def test_time_budget_stops_early_with_a_checkpoint(tiny_config, tmp_path):
@@ -201,7 +204,7 @@ def test_persistence_loss_is_the_last_value_as_the_forecast_on_the_evaluated_seq
     step of the evaluation sequences (the same rows evaluate draws: seeds (stream, seed, length, row))."""
     task = get_task("forecast_sine", num_features=2)
     result = evaluate(Repeat(), task, [30], EvalPlan(batches=2, batch_size=3))[30]
-    batch = sample_rows(task, range(6), 30, loop.EVAL_STREAM, 0, 30)
+    batch = sample_rows(task, range(6), 30, batches.EVAL_STREAM, 0, 30)
     steps = (batch.targets.double() - batch.inputs.double()) ** 2
     assert result["persistence_loss"] == pytest.approx(steps.mean().item(), rel=1e-12)
     assert result["loss"] == pytest.approx(result["persistence_loss"], rel=1e-6)  # the model's loss in float32
@@ -292,7 +295,7 @@ def poison_steps(monkeypatch, steps, factor=math.nan):
     """Multiply the training loss by `factor` at the given (1-based) steps: NaN by default, as an overflow in the
     backward pass would make it; a large finite factor makes a gradient spike."""
     calls = {"n": 0}
-    real = loop.loss_terms
+    real = batches.loss_terms
 
     def loss_terms(model, batch, device, piece=None, precision="float32"):
         total, outputs = real(model, batch, device, piece, precision)

@@ -34,18 +34,10 @@ from ..memory.layer import MemoryState, NeuralMemory
 from ..models.config import TITANS_VARIANTS
 from ..models.state_io import detached, state_nodes
 from ..tasks import Task
+from ..train.batches import DROPOUT_STREAM, TRAIN_STREAM, derive_seed, position_loss, sample_rows, scored_positions
 from ..train.checkpoint import checkpoint_step, load_checkpoint_config, load_weights, resolve_checkpoint
 from ..train.config import TrainConfig
-from ..train.loop import (
-    DROPOUT_STREAM,
-    TRAIN_STREAM,
-    build_model,
-    build_task,
-    derive_seed,
-    position_loss,
-    sample_rows,
-    scored_positions,
-)
+from ..train.loop import build_model, build_task
 
 
 @dataclass

@@ -1,8 +1,8 @@
 """How fast the trainer's batches come out of token shards: `titans bench loader DIR`.
 
-It times exactly what a training step does before the model runs: `loop.sample_rows` draws the rank's rows from their
+It times exactly what a training step does before the model runs: `batches.sample_rows` draws the rank's rows from their
 seeds (`lm_tokens`: a window of each memory-mapped shard per row) and, where there is a GPU, each tensor is copied into
-pinned memory, as `loop.to_device` does before its non-blocking copy. Without an accelerator torch has no pinned
+pinned memory, as `batches.to_device` does before its non-blocking copy. Without an accelerator torch has no pinned
 allocator, so the batches stay in pageable memory and the JSON says so (`pinned`: false).
 """
 
@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..tasks import get_task
-from ..train.loop import TRAIN_STREAM, sample_rows
+from ..train.batches import TRAIN_STREAM, sample_rows
 
 
 @dataclass(frozen=True)

@@ -11,13 +11,14 @@ from __future__ import annotations
 import json
 import os
 import resource
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import Optional
 
 import torch
+
+from ..machine import limit_address_space, rss_mib, run_isolated
 
 
 @dataclass
@@ -29,11 +30,6 @@ class BenchPoint:
     fwd_tok_s: Optional[float] = None
     fwd_bwd_tok_s: Optional[float] = None
     peak_mib: Optional[float] = None  # peak resident memory above the process's footprint before the run
-
-
-def _rss_mib() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 def _build(spec: dict) -> torch.nn.Module:
@@ -74,7 +70,7 @@ def _worker(spec: dict) -> BenchPoint:
             torch.cuda.synchronize(device)
         return time.perf_counter()
 
-    base = torch.cuda.memory_allocated(device) / 2**20 if cuda else _rss_mib()
+    base = torch.cuda.memory_allocated(device) / 2**20 if cuda else rss_mib()
     try:
         with torch.no_grad():
             for _ in range(spec["warmup"]):
@@ -118,35 +114,6 @@ def best_of(points: list[BenchPoint]) -> BenchPoint:
                       max(p.fwd_bwd_tok_s for p in done), max(p.peak_mib for p in done))
 
 
-def run_isolated(module: str, spec: dict, memory_cap_gib: float, timeout_s: float,
-                 env: Optional[dict] = None) -> tuple[str, Optional[dict]]:
-    """Run `python -m <module> '<spec as JSON>'` in a fresh process, its address space capped at memory_cap_gib
-    (`limit_address_space`, which the module's main calls) and its time at timeout_s: ("ok", the JSON object its
-    last stdout line printed), or (a status naming the failure, None)."""
-    cmd = [sys.executable, "-m", module, json.dumps({**spec, "memory_cap_gib": memory_cap_gib})]
-    try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
-    except subprocess.TimeoutExpired:
-        return f"timeout (> {timeout_s:.0f} s)", None
-    if out.returncode != 0:
-        lines = (out.stderr or out.stdout).strip().splitlines()
-        tail = lines[-1] if lines else f"exit code {out.returncode}"
-        return ("out of memory" if "memory" in tail.lower() or out.returncode == -9 else f"error: {tail[:120]}"), None
-    return "ok", json.loads(out.stdout.strip().splitlines()[-1])
-
-
-def limit_address_space(spec: dict) -> dict:
-    """In the isolated process: apply the spec's address-space cap and thread count; the spec without the cap.
-    A run on a GPU gets no cap: the CUDA driver reserves far more address space than it uses, and the memory that
-    matters there is the device's (its own out-of-memory error ends the point)."""
-    spec = dict(spec)
-    cap = int(spec.pop("memory_cap_gib") * 2**30)
-    if not str(spec.get("device", "cpu")).startswith("cuda"):
-        resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
-    torch.set_num_threads(spec.get("threads") or torch.get_num_threads())
-    return spec
-
-
 def run_point(spec: dict, memory_cap_gib: float, timeout_s: float, release_memory: bool = False) -> BenchPoint:
     """Run one point in a subprocess with an address-space cap and a time limit.
 
@@ -159,14 +126,6 @@ def run_point(spec: dict, memory_cap_gib: float, timeout_s: float, release_memor
     if point is None:
         return BenchPoint(spec["impl"], spec["seq_len"], spec["batch"], status=status)
     return BenchPoint(**point)
-
-
-def reference_available() -> bool:
-    try:
-        import titans_pytorch  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def format_table(points: list[BenchPoint]) -> str:

@@ -24,7 +24,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..tasks.lm import bits_per_byte, repeated_passage_documents
-from ..train.loop import derive_seed, load_trained, streamed
+from ..train.batches import derive_seed, streamed
+from ..train.loop import load_trained
 from .runner import (
     _train_or_error,
     add_setting,

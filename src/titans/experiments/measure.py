@@ -11,7 +11,7 @@ tried and the best kept (the runs record which).
 
 efficiency — one training step (forward, backward) of a batch of `length` tokens, and generation one token at a
 time after a prompt of `length` tokens, for every variant at the experiment's model config, each point in its own
-process under an address-space cap (`bench.memory.run_isolated`) so that its peak resident memory is its own.
+process under an address-space cap (`machine.run_isolated`) so that its peak resident memory is its own.
 titans-pytorch's MemoryAsContextTransformer at its README configuration runs beside them where it is installed.
 """
 
@@ -154,14 +154,14 @@ def _reference_decode_seconds(model: torch.nn.Module, prompt: torch.Tensor, new_
 
 def efficiency_worker(spec: dict[str, Any]) -> dict[str, Any]:
     """Runs in the isolated process: training tokens/s and peak memory, then generation tokens/s."""
-    from ..bench.memory import _rss_mib
+    from ..machine import rss_mib
 
     torch.manual_seed(0)
     reference = spec["impl"] == REFERENCE
     model = _build(spec)
     vocab = REFERENCE_CONFIG["num_tokens"] if reference else spec["model"]["vocab_size"]
     tokens = torch.randint(0, vocab, (spec["batch_size"], spec["length"]))
-    base = _rss_mib()
+    base = rss_mib()
     times = []
     for i in range(1 + spec["repeats"]):  # the first step warms the allocator and any lazily built kernels
         model.zero_grad(set_to_none=True)
@@ -182,7 +182,7 @@ def efficiency_worker(spec: dict[str, Any]) -> dict[str, Any]:
 
 def efficiency_point(spec: dict[str, Any], memory_cap_gib: float, timeout_s: float, machine: str) -> dict[str, Any]:
     """One point in its own process; `machine` (unused here) keys the cached result to the machine that measured it."""
-    from ..bench.memory import run_isolated
+    from ..machine import run_isolated
 
     status, point = run_isolated("titans.experiments.measure", spec, memory_cap_gib, timeout_s)
     return {"status": status, **(point or {})}
@@ -192,8 +192,7 @@ def efficiency_results(exp: Experiment, points_dir: Path, quiet: bool = False) -
     """The efficiency JSON body: one row per variant (and the reference), panels for training tokens/s, peak memory
     and generation tokens/s, x the sequence length. Points run one at a time: timings taken side by side would
     measure each other. Each point is kept in `points_dir` and reused on the same machine with the same settings."""
-    from ..bench import describe_machine
-    from ..bench.memory import reference_available
+    from ..machine import describe_machine, reference_available
     from ..train.config import load_train_config
     from .runner import cached, run_parallel
 
@@ -234,6 +233,6 @@ def efficiency_results(exp: Experiment, points_dir: Path, quiet: bool = False) -
 
 
 if __name__ == "__main__":
-    from ..bench.memory import limit_address_space
+    from ..machine import limit_address_space
 
     print(json.dumps(efficiency_worker(limit_address_space(json.loads(sys.argv[1])))))

@@ -3,7 +3,8 @@
 Every number written here is read from a `docs/results/<experiment>.json` that `titans experiment run` wrote; the
 prose around the tables (what an experiment measures, what we think explains it) is in the JSON too, copied there
 from the experiment's YAML. The README keeps its own text outside the block between `README_START` and `README_END`,
-which the report replaces with each experiment's headline table (the largest x of every panel) and plot.
+which the report replaces with one headline table (`HEADLINE`: a few claims, each at the largest x of one panel,
+current rows only); every grid is in RESULTS.md.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ ORDER = ("niah", "babilong", "mqar", "long", "capacity", "efficiency", "lm", "ab
 TRAINED = ("train", "continual")  # kinds whose rows are trained models (Titans variants against baselines)
 README_START = "<!-- experiments:start (written by `titans experiment report`; edit the YAML, not this) -->"
 README_END = "<!-- experiments:end -->"
+# RESULTS.md from this line on is hand-written (the notes behind DESIGN.md's choices): the report keeps it as it is.
+NOTES_START = "<!-- notes: hand-written from here on; `titans experiment report` keeps them as they are -->"
 REQUIRED = ("experiment", "metric", "higher_is_better", "results", "runs", "panels")
 
 
@@ -457,34 +460,60 @@ def machines_of(data: dict[str, Any]) -> dict[str, int]:
     return count
 
 
-def headline(data: dict[str, Any], results_md: str, plot_path: str) -> str:
-    """The README's lines for one experiment: its table at the largest x of each panel (a train experiment: at the
-    smallest x, its training length over lengths, and the largest), the plot, the link. Panels against position in
-    the context are left to RESULTS.md and the plot."""
-    panels = {name: p for name, p in data["panels"].items() if "positions_of" not in p}
-    by_length = data.get("x_axis", "length") == "length"
-    both_ends = data.get("kind", "train") in TRAINED and \
-        any(len(p["x"]) > 1 for p in panels.values())  # panels of one column each: their one length, said once
-    ends = {name: ([0, -1] if both_ends and len(p["x"]) > 1 else [-1]) for name, p in panels.items()}
-    columns = [(name, p, end) for name, p in panels.items() for end in ends[name]]
-    chosen = {"settings": [p["settings"][end] for _, p, end in columns]}
-    labels = [" ".join(filter(None, (name, x_text(p["x"][end]) if len(ends[name]) > 1 or not name else "")))
-              for name, p, end in columns]
-    smallest = "the training length" if by_length else "the smallest"
-    where = (f"{smallest} and the largest" if both_ends else "the largest") + \
-        f" {data.get('x_label', 'x')} of each panel"
+# The README's one results table: a row per claim (what Titans does here), each read from one panel of one
+# experiment at its largest x, Titans rows beside baselines. A row trained under an earlier config (stale) or not
+# in the JSON is left out, and a claim with no Titans row left is left out whole: the README shows current numbers.
+HEADLINE = (  # (experiment, panel, Titans rows, baseline rows)
+    ("long", "", ("lmm", "mac"), ("swa",)),
+    ("niah", "passkey", ("lmm", "mac", "mag", "mal"), ("transformer", "gated_deltanet", "swa", "lstm")),
+    ("lm", "", ("mac", "mag", "mal", "lmm"), ("transformer", "gated_deltanet", "swa", "lstm")),
+    ("efficiency", "training tokens/s", ("mac dim256",), ("titans-pytorch mac",)),
+    ("efficiency", "peak memory (MiB)", ("mac dim256",), ("titans-pytorch mac",)),
+)
+
+
+def headline_row(data: dict[str, Any], panel_name: str, titans: tuple[str, ...], baselines: tuple[str, ...],
+                 results_md: str) -> str | None:
+    """One row of the README's table: the panel's largest x (and, for a trained experiment over lengths, the
+    training length it is read against), `model value` for each current row; None where no Titans row is current."""
+    panel = data["panels"].get(panel_name)
+    if panel is None:
+        return None
+    setting, stale = panel["settings"][-1], stale_rows(data)
+    metric = panel_name or data["metric"]
+
+    def cells(models: tuple[str, ...]) -> str:
+        return ", ".join(f"{m} {fmt(data['results'][m][setting], data['metric'])}" for m in models
+                         if m in data["results"] and m not in stale and data["results"][m].get(setting) is not None)
+
+    ours, theirs = cells(titans), cells(baselines)
+    if not ours:
+        return None
     title = data.get("title", data["experiment"])
     anchor = "".join(c for c in title.lower().replace(" ", "-") if c.isalnum() or c in "-_")
-    where += f"; incomplete, {partial_text(data)}" if data.get("pending") else ""
-    where += f", {len(data['stale'])} shown from an earlier config" if data.get("stale") else ""
-    return "\n".join([f"**{title}** ({data['metric']} at {where}; "
-                      f"`{data.get('command', '')}`; [details]({results_md}#{anchor}), [plot]({plot_path}))", "",
-                      panel_table(data, chosen, labels, [panel_better(data, p) for _, p, _ in columns]), ""])
+    where = f"{data.get('x_label', 'x')} {x_text(panel['x'][-1])}"
+    if data.get("kind", "train") in TRAINED and data.get("x_axis", "length") == "length" and len(panel["x"]) > 1:
+        where += f", trained at {x_text(panel['x'][0])}"
+    better = "higher is better" if panel_better(data, panel) else "lower is better"
+    if data.get("pending"):  # the rows shown are current; the grid is not finished
+        better += f"; incomplete, {partial_text(data)}"
+    return (f"| [{title}]({results_md}#{anchor}): {metric} at {where} ({better}) | {ours} | {theirs or '-'} | "
+            f"`{data.get('command', 'titans experiment run ' + data['experiment'])}` |")
+
+
+def headline(experiments: list[dict[str, Any]], results_md: str) -> str:
+    """The README's results block: one table over the claims of `HEADLINE` whose experiment has results."""
+    by_name = {d["experiment"]: d for d in experiments}
+    rows = [headline_row(by_name[name], panel, titans, baselines, results_md)
+            for name, panel, titans, baselines in HEADLINE if name in by_name]
+    rows = [r for r in rows if r is not None]
+    return "\n".join(["| result | Titans | baselines | command (writes the JSON) |", "|---|---|---|---|", *rows,
+                       "", f"Every grid, plot and run: [{Path(results_md).name}]({results_md}).", ""])
 
 
 def write_report(results_dir: Path, out: Path, readme: Path | None = None) -> Path:
     """RESULTS.md (and a PNG per experiment beside the JSON) from every results JSON in `results_dir`; with
-    `readme`, its experiments block replaced by the headline tables. Returns the RESULTS.md path."""
+    `readme`, its experiments block replaced by the one headline table. Returns the RESULTS.md path."""
     experiments = load_results(results_dir)
     if readme is not None:
         text = readme.read_text()
@@ -492,22 +521,22 @@ def write_report(results_dir: Path, out: Path, readme: Path | None = None) -> Pa
                 text.index(README_START) > text.index(README_END):
             raise ValueError(f"{readme} must hold one {README_START!r} line before one {README_END!r} line")
     sections = []
-    heads = []
     for data in experiments:
         plot_path = results_dir / f"{data['experiment']}.png"
         plot(data, plot_path)
         sections.append(section(data, results_dir / f"{data['experiment']}.json", plot_path, out.parent))
-        if readme is not None:
-            heads.append(headline(data, relative(out, readme.parent), relative(plot_path, readme.parent)))
     intro = ["# Results", "",
              "Generated by `titans experiment report` from the JSON files in "
              f"`{results_dir.as_posix()}`; every number below is read from them. Each experiment's grid is "
              "`configs/experiments/<name>.yaml`; its command reruns it (finished runs are reused).", "", ""]
-    out.write_text("\n".join(intro) + "\n".join(sections))
+    old = out.read_text() if out.is_file() else ""
+    notes = "\n" + old[old.index(NOTES_START):] if NOTES_START in old else ""
+    out.write_text("\n".join(intro) + "\n".join(sections) + notes)
     if readme is not None:
         text = readme.read_text()
         before, rest = text.split(README_START)
         _, after = rest.split(README_END)
-        readme.write_text(before + README_START + "\n\n" + "\n".join(heads) + "\n" + README_END + after)
+        block = headline(experiments, relative(out, readme.parent))
+        readme.write_text(before + README_START + "\n\n" + block + README_END + after)
     return out
 

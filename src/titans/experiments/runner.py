@@ -412,7 +412,7 @@ def run_experiment(exp: Experiment, results_dir: Path, runs_dir: Path, jobs: int
     """Run `exp` (resumably) and write `<results_dir>/<name>.json`; return its path. `retrain` trains every run
     again, whatever the runs directory and the JSON hold; `only` (the rows of a train experiment) trains those rows'
     runs alone, the others staying as the JSON has them or pending."""
-    from ..bench import describe_machine
+    from ..machine import describe_machine
     from . import continual, measure
 
     jobs = jobs or default_jobs()

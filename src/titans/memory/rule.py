@@ -23,14 +23,16 @@ written here, once; a bad value is a `ConfigError` (a ValueError) naming the fie
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional
+from typing import TYPE_CHECKING, Any, Literal, Optional
 
 from pydantic import ConfigDict, Field, model_validator
 from torch import Tensor
 
 from ..config import Config
-from .checks import Theta
 from .losses import AnyLoss, Squared
+
+if TYPE_CHECKING:  # an annotation only: checks.py imports this module
+    from .checks import Theta
 
 
 class MemoryRule(Config):

@@ -137,7 +137,7 @@ class Task:
 
     def sample_seeded(self, seeds: list[int], length: int) -> Batch:
         """One sequence of `length` positions per seed, row i a function of `seeds[i]` alone: how the trainer draws
-        (`train.loop.sample_rows`), so that a row is the same on any rank and after a resume. By default row i is
+        (`train.batches.sample_rows`), so that a row is the same on any rank and after a resume. By default row i is
         `sample(1, length, generator seeded by seeds[i])`; a task may draw faster as long as it stays a function of
         the seed."""
         self._check_request(len(seeds), length)

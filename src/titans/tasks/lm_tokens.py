@@ -3,7 +3,7 @@
 Each split's shards are memory-mapped, never read whole; a batch row is a window of length + 1 consecutive tokens at a
 uniform random start among every start in every shard (a window does not cross from one shard into the next; within a
 shard it crosses documents, whose end-of-text tokens it keeps, as GPT-style training does). Every position is scored.
-The trainer draws row i of a step from a generator of its own (`loop.sample_rows`), so each rank of a torchrun reads
+The trainer draws row i of a step from a generator of its own (`batches.sample_rows`), so each rank of a torchrun reads
 its own windows, and `carry_windows` reads streams of consecutive windows out of one longer draw.
 
 Evaluation reports the validation loss per token, its perplexity and bits per byte: the loss in bits times the split's
@@ -89,7 +89,7 @@ class LmTokens(Task):
 
     def sample_seeded(self, seeds: list[int], length: int) -> TokenBatch:
         """Row i starts at `seeds[i]` mod the number of window starts. The trainer's seeds are 63-bit hashes
-        (`loop.derive_seed`), so this is a uniform draw (the modulo's bias is below starts / 2^63: 1e-7 for a split of
+        (`derive_seed`), so this is a uniform draw (the modulo's bias is below starts / 2^63: 1e-7 for a split of
         a trillion tokens), made without a torch generator per row, which cost more than copying the row."""
         self._check_request(len(seeds), length)
         total = self._total_starts(length)

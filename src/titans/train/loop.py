@@ -20,11 +20,10 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from tqdm.auto import tqdm
@@ -33,9 +32,18 @@ from ..models import ClassificationHead, ForecastHead, TitansEncoder, TitansLM
 from ..models.config import PEER_VARIANTS
 from ..models.lm import Backbone
 from ..models.peer import PeerMAC, check_streaming, implementation_record
-from ..models.state_io import detached
-from ..tasks import IGNORE_INDEX, LabelBatch, Task, TokenBatch, bits_per_byte, exact_match, get_task, tokens_right
+from ..tasks import Task, get_task
 from ..tasks.base import Batch
+from .batches import (
+    DROPOUT_STREAM,
+    TRAIN_STREAM,
+    carried_loss_terms,
+    derive_seed,
+    loss_terms,
+    sample_rows,
+    scored_positions,
+    to_device,
+)
 from .checkpoint import (
     SHARDED_DIR,
     check_run_dir,
@@ -49,29 +57,9 @@ from .checkpoint import (
     save_checkpoint,
 )
 from .config import OptimConfig, TrainConfig, check_model_fits_task, resume_mismatches
+from .evaluation import EvalPlan, evaluate
 from .fsdp import load_sharded, save_sharded, set_gradient_sync, shard_model
-from .precision import autocast, parameter_dtype
-
-TRAIN_STREAM, EVAL_STREAM = 1, 2  # keep the training and evaluation data streams disjoint
-DROPOUT_STREAM = 3  # the global RNG (dropout) is reseeded per (seed, step, rank)
-_MASK64 = (1 << 64) - 1
-
-
-def derive_seed(*parts: int) -> int:
-    """A 63-bit seed from integers: SplitMix64's finaliser chained over the parts (stable across
-    processes and Python versions, unlike `hash`)."""
-    state = 0
-    for part in parts:
-        state = (state ^ (part & _MASK64)) + 0x9E3779B97F4A7C15 & _MASK64
-        state = (state ^ (state >> 30)) * 0xBF58476D1CE4E5B9 & _MASK64
-        state = (state ^ (state >> 27)) * 0x94D049BB133111EB & _MASK64
-        state ^= state >> 31
-    return state >> 1
-
-
-def sample_rows(task: Task, rows: range, length: int, *stream: int) -> Batch:
-    """Rows `rows` of a batch whose row i is drawn from the seed (*stream, i) (`Task.sample_seeded`)."""
-    return task.sample_seeded([derive_seed(*stream, i) for i in rows], length)
+from .precision import parameter_dtype
 
 
 def resolve_device(name: str, index: int = 0) -> torch.device:
@@ -176,211 +164,6 @@ def make_optimizer(model: nn.Module, optim: OptimConfig, fused: bool = False) ->
     groups = [{"params": [p for p in params if id(p) in decay_ids], "weight_decay": optim.weight_decay},
               {"params": [p for p in params if id(p) not in decay_ids], "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=optim.lr, betas=optim.betas, eps=optim.eps, fused=fused)
-
-
-def scored_positions(batch: Batch) -> int:
-    """Token positions scored, series values predicted, or (classification) series classified."""
-    if isinstance(batch, TokenBatch):
-        return int((batch.targets != IGNORE_INDEX).sum())
-    return batch.targets.numel()
-
-
-def _pieces(model: nn.Module, inputs: Tensor, piece: int) -> list[Tensor]:
-    """The model's outputs for each `piece` positions of `inputs` in turn, the recurrent state carried between calls."""
-    outputs, state = [], None
-    for start in range(0, inputs.shape[1], piece):
-        out, state = model(inputs[:, start:start + piece], state)
-        outputs.append(out)
-    return outputs
-
-
-def streamed(model: nn.Module, inputs: Tensor, piece: int | None) -> Tensor:
-    """The model's outputs for `inputs`, read `piece` positions per call through the recurrent state (the whole
-    sequence in one call when None): the same outputs either way, up to rounding, in memory that stops growing
-    with the length for every variant but full attention."""
-    return model(inputs)[0] if piece is None else torch.cat(_pieces(model, inputs, piece), 1)
-
-
-def streamed_last(model: nn.Module, inputs: Tensor, piece: int | None) -> Tensor:
-    """The outputs of a model that reads a whole sequence into one output (a classifier of the last hidden state),
-    `piece` positions per call through the recurrent state: the last call's outputs."""
-    return model(inputs)[0] if piece is None else _pieces(model, inputs, piece)[-1]
-
-
-def to_device(t: Tensor, device: torch.device) -> Tensor:
-    """A CPU tensor on `device`. To a GPU through pinned memory, without waiting: a copy from pageable memory would
-    first wait for every kernel queued before it (a host sync per batch)."""
-    if device.type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
-
-
-def loss_terms(model: nn.Module, batch: Batch, device: torch.device,
-               piece: int | None = None, precision: str = "float32") -> tuple[Tensor, Tensor]:
-    """(sum of the per-position losses over the scored positions, model outputs); cross-entropy for
-    token tasks and for classification (one loss per series), squared error for series. `piece`: read the sequence
-    that many positions at a time (`streamed`). `precision`: the run's `dtype`; the forward pass runs in its autocast
-    (`precision.autocast`), the loss in the parameters' dtype (float32 master weights under bf16)."""
-    dtype = next(model.parameters()).dtype
-    inputs = to_device(batch.inputs, device)
-    if isinstance(batch, LabelBatch):
-        with autocast(precision, device):
-            logits = streamed_last(model, inputs.to(dtype), piece)
-        return F.cross_entropy(logits.to(dtype), to_device(batch.targets, device), reduction="sum"), logits
-    with autocast(precision, device):
-        outputs = streamed(model, inputs if isinstance(batch, TokenBatch) else inputs.to(dtype), piece)
-    return position_loss(outputs, batch, device, dtype), outputs
-
-
-def carried_loss_terms(model: nn.Module, batch: Batch, device: torch.device, state: Any,
-                       precision: str = "float32") -> tuple[Tensor, Any]:
-    """(`loss_terms`' sum of losses, the state the model ended in, detached) for a window read on from `state`:
-    one step of truncated backpropagation through time (`TrainConfig.carry_windows`)."""
-    dtype = next(model.parameters()).dtype
-    inputs = to_device(batch.inputs, device)
-    with autocast(precision, device):
-        outputs, end = model(inputs if isinstance(batch, TokenBatch) else inputs.to(dtype), state)
-    return position_loss(outputs, batch, device, dtype), detached(end)
-
-
-def position_loss(outputs: Tensor, batch: Batch, device: torch.device, dtype: torch.dtype) -> Tensor:
-    """The sum of the per-position losses of `outputs` over the batch's scored positions, in `dtype` (the
-    parameters': float32 master weights under bf16): cross-entropy for tokens, squared error for series."""
-    targets = to_device(batch.targets, device)
-    if isinstance(batch, TokenBatch):
-        return F.cross_entropy(outputs.flatten(0, 1).to(dtype), targets.flatten(), ignore_index=IGNORE_INDEX,
-                               reduction="sum")
-    return F.mse_loss(outputs.to(dtype), targets.to(dtype), reduction="sum")
-
-
-def position_ends(length: int, buckets: int) -> list[int]:
-    """The (exclusive) last position of each of `buckets` contiguous spans that split positions 0 .. length - 1 as
-    evenly as whole positions allow."""
-    if not 1 <= buckets <= length:
-        raise ValueError(f"position buckets must be between 1 and the length ({length}), got {buckets}")
-    return [(i + 1) * length // buckets for i in range(buckets)]
-
-
-class PositionLosses:
-    """The summed loss and the count of scored positions at every position of sequences of one length, over the
-    batches added, and their mean per bucket of positions (`position_ends`)."""
-
-    def __init__(self, length: int, buckets: int):
-        self.ends = position_ends(length, buckets)
-        self.loss = torch.zeros(length, dtype=torch.float64)
-        self.count = torch.zeros(length, dtype=torch.float64)
-
-    def add(self, logits: Tensor, targets: Tensor) -> None:
-        scored = targets != IGNORE_INDEX
-        losses = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX,
-                                 reduction="none").view(targets.shape)
-        self.loss += losses.double().sum(0).cpu()
-        self.count += scored.sum(0).double().cpu()
-
-    def metrics(self, bytes_per_token: float | None) -> dict[str, list]:
-        """{"position_ends", "loss_by_position"} (the mean loss per bucket in nats; None for a bucket with nothing
-        scored), and for a task with `bytes_per_token` (language modelling) also "bits_per_byte_by_position"."""
-        starts = [0, *self.ends[:-1]]
-        means = [None if self.count[a:b].sum() == 0 else (self.loss[a:b].sum() / self.count[a:b].sum()).item()
-                 for a, b in zip(starts, self.ends)]
-        out: dict[str, list] = {"position_ends": list(self.ends), "loss_by_position": means}
-        if bytes_per_token is not None:
-            out["bits_per_byte_by_position"] = [None if m is None else bits_per_byte(m) / bytes_per_token
-                                                for m in means]
-        return out
-
-
-@dataclass(frozen=True)
-class EvalPlan:
-    """What an evaluation reads and how. Per length, `batches` x `batch_size` sequences drawn from (seed, length, row);
-    a task that is a finite set (`Task.full_set`, a labelled split) is read whole instead, each example once,
-    `batch_size` at a time (`batches` and `seed` unused). The model reads them on `device`, `piece` tokens at a time
-    through its state (None: in one call), under the autocast of `precision`, the `dtype` it trained in
-    (`loss_terms`). `position_buckets` (token tasks): also the mean loss over each of that many equal spans of
-    positions (`loss_by_position`, and `bits_per_byte_by_position` for language modelling), each span ending at
-    `position_ends`: the loss against position in the context."""
-
-    batches: int
-    batch_size: int
-    seed: int = 0
-    device: torch.device | str = "cpu"
-    piece: int | None = None
-    precision: str = "float32"
-    position_buckets: int = 0
-
-
-def evaluation_batches(task: Task, length: int, plan: EvalPlan) -> Iterator[Batch]:
-    """The batches `plan` reads at `length`: drawn, or the task's whole finite set in slices."""
-    whole = task.full_set(length)
-    if whole is None:
-        for b in range(plan.batches):
-            rows = range(b * plan.batch_size, (b + 1) * plan.batch_size)
-            yield sample_rows(task, rows, length, EVAL_STREAM, plan.seed, length)
-        return
-    for i in range(0, len(whole.targets), plan.batch_size):
-        yield type(whole)(*(t[i:i + plan.batch_size] for t in whole))
-
-
-class EvalTally:
-    """The sums an evaluation keeps at one length, batch by batch, and the metrics they give."""
-
-    def __init__(self, task: Task, length: int, position_buckets: int):
-        self.task = task
-        self.loss, self.count, self.matches, self.right, self.persistence = 0.0, 0, 0.0, 0.0, 0.0
-        self.by_position = PositionLosses(length, position_buckets) if position_buckets else None
-
-    def add(self, batch: Batch, batch_loss: Tensor, outputs: Tensor) -> None:
-        n = scored_positions(batch)
-        self.loss, self.count = self.loss + batch_loss.item(), self.count + n
-        if isinstance(batch, TokenBatch):
-            targets = batch.targets.to(outputs.device)
-            self.matches += exact_match(outputs, targets).sum().item()
-            self.right += tokens_right(outputs, targets).item()  # a count: the same sum for any batching
-            if self.by_position is not None:
-                self.by_position.add(outputs, targets)
-        elif isinstance(batch, LabelBatch):
-            self.matches += (outputs.argmax(-1) == batch.targets.to(outputs.device)).sum().item()
-        else:  # the forecast that the next step equals the last one seen: targets[t] = inputs[t]
-            self.persistence += F.mse_loss(batch.inputs.double(), batch.targets.double(), reduction="sum").item()
-
-    def metrics(self, rows: int) -> dict[str, Any]:
-        """`rows`: the sequences drawn (exact-match accuracy of token tasks is over them)."""
-        task, count = self.task, max(self.count, 1)
-        metrics: dict[str, Any] = {"loss": self.loss / count}
-        if task.vocab_size is None and task.num_classes is None:
-            metrics["persistence_loss"] = self.persistence / count
-        if task.num_classes is not None:
-            metrics["accuracy"] = self.matches / count
-            metrics["examples"] = self.count
-        if task.vocab_size is not None:
-            metrics["accuracy"] = self.matches / rows
-            metrics["token_accuracy"] = self.right / count
-            metrics.update(task.text_metrics(metrics["loss"]))
-        if self.by_position is not None:
-            metrics.update(self.by_position.metrics(task.bytes_per_token()))
-        return metrics
-
-
-@torch.no_grad()
-def evaluate(model: nn.Module, task: Task, lengths: list[int], plan: EvalPlan) -> dict[int, dict[str, Any]]:
-    """Per length, on the sequences of `plan`: mean loss per scored position, and for token tasks exact-match accuracy
-    (rows with every scored token right) and token accuracy, and bits per byte for the byte-level LM; classification
-    reports the accuracy over its series and their number (`examples`). Forecasting (series tasks) also reports
-    `persistence_loss`, the mean squared error on the same sequences of the forecast that the next step equals the
-    last one seen: what a forecaster must beat to have learnt more than to repeat."""
-    if plan.position_buckets and task.vocab_size is None:
-        raise ValueError(f"position_buckets is for token tasks; {task.name} is not one")
-    was_training = model.training
-    model.eval()
-    device = torch.device(plan.device)
-    results = {}
-    for length in lengths:
-        tally = EvalTally(task, length, plan.position_buckets)
-        for batch in evaluation_batches(task, length, plan):
-            tally.add(batch, *loss_terms(model, batch, device, plan.piece, plan.precision))
-        results[length] = tally.metrics(rows=plan.batches * plan.batch_size)
-    model.train(was_training)
-    return results
 
 
 def tensorboard_writer(path: Path) -> Any | None:
@@ -503,8 +286,9 @@ class Trainer:
     still queued on the device. On the CPU a read costs nothing and every step is read at once.
     """
 
-    def __init__(self, cfg: TrainConfig, run_dir: Path, quiet: bool = False, defer_reads: bool | None = None):
-        self.cfg, self.run_dir, self.quiet = cfg, Path(run_dir), quiet
+    def __init__(self, cfg: TrainConfig, run_dir: Path, quiet: bool = False, defer_reads: bool | None = None,
+                 bar_position: int | None = None):
+        self.cfg, self.run_dir, self.quiet, self.bar_position = cfg, Path(run_dir), quiet, bar_position
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
         self.world = dist.get_world_size() if self.distributed else 1
@@ -734,7 +518,9 @@ class Trainer:
         if self.rank == 0:
             cfg.to_yaml(self.run_dir / "config.yaml")
         self.model.train()
-        bar = tqdm(total=cfg.steps, initial=self.step, desc=cfg.run_name, dynamic_ncols=True, leave=False,
+        # A positioned bar is one of several processes' bars on one terminal (the demo's): it stays when done.
+        bar = tqdm(total=cfg.steps, initial=self.step, desc=cfg.run_name, dynamic_ncols=True,
+                   position=self.bar_position, leave=self.bar_position is not None,
                    disable=True if self.quiet or self.rank else None)  # None: off when not a terminal
         window_start, window_steps = time.perf_counter(), 0
         while self.step < cfg.steps:
@@ -832,7 +618,7 @@ def setup_distributed(device: str = "cpu", sharded: bool = False) -> bool:
 
 
 def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, quiet: bool = False,
-          force: bool = False) -> TrainResult:
+          force: bool = False, bar_position: int | None = None) -> TrainResult:
     """Train `cfg` into a new run directory `run_dir` (an existing titans run there only with `force`, which
     replaces it); with `resume`, continue that run from its latest checkpoint.
 
@@ -842,7 +628,7 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, quiet: bool = F
     lead = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
     if lead:
         check_run_dir(run_dir, force, resume)
-    trainer = Trainer(cfg, run_dir, quiet=quiet)
+    trainer = Trainer(cfg, run_dir, quiet=quiet, bar_position=bar_position)
     if lead:
         prepare_run_dir(run_dir, force, resume)
     if trainer.distributed:

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import platform
 import sys
 from pathlib import Path
 from typing import Optional
 
 import typer
+
+from ..machine import describe_machine, reference_available
 
 bench_app = typer.Typer(help="Throughput and memory benchmarks.", no_args_is_help=True)
 
@@ -18,22 +18,6 @@ bench_app = typer.Typer(help="Throughput and memory benchmarks.", no_args_is_hel
 @bench_app.callback()
 def _group() -> None:
     """Throughput and memory benchmarks (commands, not tests)."""
-
-
-def describe_machine(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
-    """The CPU the numbers were measured on, e.g. "AMD EPYC (cpu family 26, model 2, AVX-512), 2 CPUs".
-
-    The same code runs at half the speed on another VM of the same size (docs/PERFORMANCE.md, the seventh stop), so
-    every table says which machine made it."""
-    from ..memory.state_ops import cpu_info
-
-    fields = cpu_info(cpuinfo)
-    name = fields.get("model name") or platform.processor() or platform.machine() or "unknown CPU"
-    details = [f"{key} {fields[key]}" for key in ("cpu family", "model") if key in fields]
-    if "avx512f" in fields.get("flags", "").split():
-        details.append("AVX-512")
-    described = f"{name} ({', '.join(details)})" if details else name
-    return f"{described}, {os.cpu_count()} CPUs"
 
 
 def _int_list(text: str, name: str, minimum: int = 1) -> list[int]:
@@ -83,17 +67,16 @@ def memory(
     out: Optional[Path] = typer.Option(None, help="Write the points as JSON here."),
 ) -> None:
     """NeuralMemory tokens/s (forward, forward+backward) and peak memory, against the reference."""
-    from ..memory.parallel import IMPLEMENTATIONS
-    from .memory import (
+    from ..bench.memory import (
         best_of,
         format_implementations,
         format_loss_cost,
         format_rule_cost,
         format_table,
         parse_losses,
-        reference_available,
         run_point,
     )
+    from ..memory.parallel import IMPLEMENTATIONS
 
     seq_lens = _int_list(lengths, "lengths")
     try:
@@ -155,7 +138,7 @@ def matmul(
     repeats: int = typer.Option(5, min=1, help="Timed passes (the best is reported)."),
 ) -> None:
     """The memory's n-row state products from cache and from DRAM, beside the machine's streaming bandwidth."""
-    from .matmul import format_table, measure, stream_gib_s
+    from ..bench.matmul import format_table, measure, stream_gib_s
 
     typer.echo(format_table(measure(rows, d_in, d_out, batch, dram_mib, repeats)))
     typer.echo(f"streaming read (sum over {dram_mib} MiB): {stream_gib_s(dram_mib, repeats):.1f} GiB/s; "
@@ -204,7 +187,7 @@ def stability(
     from functools import partial
     from multiprocessing import get_context
 
-    from .stability import (
+    from ..bench.stability import (
         RULES,
         StabilityGrid,
         as_json,
@@ -270,9 +253,9 @@ def recall(
     from concurrent.futures import ProcessPoolExecutor
     from multiprocessing import get_context
 
+    from ..bench.recall import MULTIPLES, SIZES, TASKS, collect, format_table, recall_config
     from ..experiments import train_one
     from ..models import VARIANTS
-    from .recall import MULTIPLES, SIZES, TASKS, collect, format_table, recall_config
 
     chosen_variants = _choices(variants, "variants", VARIANTS)
     chosen_tasks = _choices(tasks, "tasks", tuple(TASKS))
@@ -319,7 +302,7 @@ def backward(
 
     import torch
 
-    from .backward import replay
+    from ..bench.backward import replay
 
     chosen = _int_list(steps, "steps", minimum=0) if steps else None
     precision = "float64" if float64 else "float32"
@@ -358,7 +341,7 @@ def generate(
     overrides: Optional[list[str]] = typer.Option(None, "--set", help="A change to the efficiency experiment's model, "
                                                                       "as `titans train` takes it: model.dim=256"),
     compile: bool = typer.Option(False, "--compile", help="Also measure every variant with its one-token step "
-                                                          "compiled (generate(compile=True)); compiling takes "
+                                                          "compiled (generate(decode='compiled')); compiling takes "
                                                           "minutes on a CPU."),
     out: Optional[Path] = typer.Option(None, help="Write the rows as JSON here."),
 ) -> None:
@@ -368,10 +351,10 @@ def generate(
 
     import torch
 
+    from ..bench.generate import format_table, measure_generation
     from ..config import apply_overrides
     from ..experiments.spec import load_experiment
     from ..models import VARIANTS
-    from .generate import format_table, measure_generation
 
     if threads is not None:
         torch.set_num_threads(threads)
@@ -401,7 +384,7 @@ def loader(
     """Tokens per second from memory-mapped shards into (pinned, where there is a GPU) batches, as training draws."""
     import torch
 
-    from .loader import as_record, measure_loader
+    from ..bench.loader import as_record, measure_loader
 
     torch.set_num_threads(threads)
     try:
@@ -432,7 +415,7 @@ def gpu(
     JSON as it finishes; the summary table last."""
     import torch
 
-    from .gpu import BENCHMARKS, run, summary
+    from ..bench.gpu import BENCHMARKS, run, summary
 
     chosen = _choices(only, "only", BENCHMARKS)
     if not quick and (device == "cpu" or (device is None and not torch.cuda.is_available())):

@@ -1,0 +1,1 @@
+"""The command line's Typer apps, apart from the library code they call (`titans.cli` is the root app)."""
