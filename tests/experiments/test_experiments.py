@@ -560,6 +560,23 @@ def test_report_is_written_from_the_json_alone(quick_results, tmp_path):
     assert "RESULTS.md" in block and block.count("| result | Titans |") == 1  # one table; the grids: RESULTS.md
 
 
+def test_a_grid_with_nothing_trained_yet_is_reported_without_a_plot(quick_results, tmp_path):
+    """A grid just added (every run pending) has no panel to plot: its section says so, and no PNG is written or
+    left from before."""
+    results_dir, _ = quick_results
+    copied = tmp_path / "results"
+    shutil.copytree(results_dir, copied)
+    data = json.loads((copied / "mqar.json").read_text())
+    data["pending"] = sorted(data["runs"])
+    data.update(experiment="untrained", runs={}, results={}, spread={}, panels={})
+    (copied / "untrained.json").write_text(json.dumps(data))
+    (copied / "untrained.png").write_bytes(b"an old plot")
+    text = write_report(copied, tmp_path / "RESULTS.md").read_text()
+    section = text[text.index("untrained.json"):]
+    assert "**Incomplete**" in section.split("\n## ")[0]
+    assert not (copied / "untrained.png").exists() and "untrained.png" not in text
+
+
 def test_the_hand_written_notes_of_results_md_survive_a_report(tmp_path):
     """RESULTS.md from NOTES_START on is the notes behind DESIGN.md's choices: a report rewrites every table above it
     and keeps them as they are (and writes none where there were none)."""

@@ -165,6 +165,9 @@ def plot(data: dict[str, Any], path: Path) -> None:
     """One panel per plot panel, a line per model against x (log2 axis when x spans a factor of 8 or more, but
     positions in a context read linearly), or where a panel has a single column a point per model with the seeds'
     range; a heat map over two model settings where the experiment asks for one."""
+    if not data["panels"]:  # nothing trained yet: no plot (and none left from an earlier grid)
+        path.unlink(missing_ok=True)
+        return None
     if data.get("heatmap"):
         return plot_heatmap(data, path)
     import matplotlib
@@ -408,7 +411,8 @@ def section(data: dict[str, Any], json_path: Path, plot_path: Path, relative_to:
         parts += heading + [panel_table(data, panel, labels), ""] + second_table(data, panel, labels)
     if data.get("published"):
         parts += [published_table(data), ""]
-    parts += [f"![{data['experiment']}]({relative(plot_path, relative_to)})", ""]
+    if plot_path.is_file():
+        parts += [f"![{data['experiment']}]({relative(plot_path, relative_to)})", ""]
     facts = run_facts(data)
     if facts:
         parts += [facts, ""]
