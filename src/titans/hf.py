@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .memory import NeuralMemory
-from .models.config import FLAT_MEMORY_FIELDS, TitansConfig, with_earlier_defaults
+from .models.config import FLAT_FIELDS, TitansConfig, flat_field_path, with_earlier_defaults
 from .models.lm import State, TitansLM, check_tokens
 from .models.pretrained import FORMAT_VERSION, MODEL_TYPE, section_to_config
 
@@ -53,13 +53,14 @@ class TitansHFConfig(PretrainedConfig):
     # The arguments are config.json's keys (pretrained.SECTION and VERSION_KEY): transformers passes the file's keys.
     def __init__(self, titans: Optional[dict] = None, titans_format_version: int = FORMAT_VERSION, **kwargs: Any):
         fields = {name: kwargs.pop(name) for name in list(kwargs)
-                  if name in TitansConfig.model_fields or name in FLAT_MEMORY_FIELDS}
+                  if name in TitansConfig.model_fields or flat_field_path(name)}
         for derived in ("tie_word_embeddings", "model_type"):  # answered from the section (a saved file has them)
             kwargs.pop(derived, None)
         # a saved section lacking a field whose default changed was written under the earlier one
         saved = with_earlier_defaults(titans) if isinstance(titans, dict) else {}
-        if isinstance(fields.get("memory"), dict):  # a memory section given as a keyword changes the saved one's fields
-            fields["memory"] = {**saved.get("memory", {}), **fields["memory"]}
+        for section in FLAT_FIELDS:  # a section given as a keyword (`memory={...}`) changes the saved one's fields
+            if isinstance(fields.get(section), dict):
+                fields[section] = {**saved.get(section, {}), **fields[section]}
         config = section_to_config({**saved, **fields}, titans_format_version, "titans config")
         super().__init__(**kwargs)
         # Read in any version this library knows, the section is complete now: it is written in the current one.

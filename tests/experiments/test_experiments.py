@@ -14,7 +14,7 @@ from titans.experiments import expand, experiment_names, load_experiment, run_ex
 from titans.experiments.measure import memory_reader
 from titans.experiments.report import README_END, README_START, fmt, load_results, plot_models, stale_rows
 from titans.experiments.runner import _train_or_error, describe_run, finished, resumable, train_one, train_results
-from titans.models.config import FLAT_MEMORY_FIELDS, PEER_VARIANTS
+from titans.models.config import FLAT_FIELDS, PEER_VARIANTS, flat_field_path
 from titans.tasks import measure_capacity
 from titans.train import build_model, build_task, train
 
@@ -335,10 +335,11 @@ def test_runs_of_an_earlier_config_are_shown_marked_stale_until_trained_again(qu
 
 
 def flat_record(model: dict) -> dict:
-    """A model config as records were written before the memory section (format version 1): its fields flat."""
-    memory = model["memory"]
-    flat = {old: memory[new] for old, new in FLAT_MEMORY_FIELDS.items() if new in memory}
-    return {**{key: value for key, value in model.items() if key != "memory"}, **flat}
+    """A model config as records were written before the memory section (format version 1): its fields flat, the
+    memory's and the attention's."""
+    flat = {old: model[section][new] for section, fields in FLAT_FIELDS.items() for old, new in fields.items()
+            if new in model[section]}
+    return {**{key: value for key, value in model.items() if key not in FLAT_FIELDS}, **flat}
 
 
 def test_records_written_flat_are_read_back_as_the_same_runs(quick_results, tmp_path, monkeypatch):
@@ -389,7 +390,8 @@ def test_a_committed_grid_keeps_its_current_stale_and_pending_runs(tmp_path, mon
     def nested_path(change: str) -> str:  # 'model.memory_residual: true → false' -> 'model.memory.residual: ...'
         field, _, rest = change.partition(": ")
         name = field.removeprefix("model.")
-        return f"model.memory.{FLAT_MEMORY_FIELDS[name]}: {rest}" if name in FLAT_MEMORY_FIELDS else change
+        return f"model.{flat_field_path(name)}: {rest}" if field.startswith("model.") and flat_field_path(name) \
+            else change
 
     expected = {run_id: [nested_path(c) for c in changes] for run_id, changes in committed.get("stale", {}).items()}
     assert data.get("stale", {}) == expected

@@ -10,7 +10,7 @@ def test_encoder_options_map_onto_the_config():
     enc = TitansEncoder(embed_dim=3, hidden_size=16, memory_size=32, num_layers=3, dropout=0.1, momentum=False,
                         window_size=5, heads=2, variant="mac")
     cfg = enc.config
-    assert (cfg.dim, cfg.depth, cfg.dropout, cfg.memory.momentum, cfg.window, cfg.segment_len) == \
+    assert (cfg.dim, cfg.depth, cfg.dropout, cfg.memory.momentum, cfg.attention.window, cfg.attention.segment_len) == \
         (16, 3, 0.1, False, 5, 5)
     assert cfg.memory.expansion == 4  # memory_size 32 over heads of width 16 / 2 = 8
     assert enc.backbone.blocks[0].mixer.memory.initial_weights[0].shape == (2, 8, 32)

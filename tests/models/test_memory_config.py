@@ -11,7 +11,7 @@ from titans.models.config import (
     EARLIER_DEFAULTS,
     FLAT_MEMORY_FIELDS,
     MemoryConfig,
-    nest_memory_fields,
+    nest_flat_fields,
     with_earlier_defaults,
 )
 from titans.train.config import load_train_config
@@ -54,7 +54,7 @@ def test_a_flat_field_beside_its_nested_twin_wins_and_merges_nest_first():
     assert config.replace(memory={"chunk_size": 4}).memory == config.memory.replace(chunk_size=4)  # merged, not reset
     assert merge({"model": {"memory_depth": 2}}, {"model": {"memory": {"depth": 3}}})["model"]["memory"]["depth"] == 3
     assert merge({"model": {"memory": {"depth": 3}}}, {"model": {"memory_depth": 1}})["model"]["memory"]["depth"] == 1
-    assert nest_memory_fields({"dim": 8}) == {"dim": 8}
+    assert nest_flat_fields({"dim": 8}) == {"dim": 8}
 
 
 def test_a_yaml_file_and_its_overrides_in_either_spelling(tmp_path):

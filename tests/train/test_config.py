@@ -46,13 +46,14 @@ def test_bad_fields_are_named(tiny_config, override, field):
 @pytest.mark.parametrize("override, message", [
     *[(f"{field}={value}", rf"{field}: expected a finite number, got {value[1:]}")
       for field in ("optim.lr", "optim.weight_decay", "optim.grad_clip", "optim.eps", "model.memory.max_lr",
-                    "model.mlp_ratio", "model.rope_base", "time_budget_s")
+                    "model.mlp_ratio", "model.attention.rope_base", "time_budget_s")
       for value in (".nan", ".inf")],
     ("task.options.depth=.nan", r"task passkey\.depth: expected a finite number"),  # task options too
     ("optim.lr=1e400", r"optim\.lr: expected a finite number, got inf"),
     ("optim.lr=" + "9" * 400, r"optim\.lr: expected a finite number, got 9{77}\.\.\.$"),  # beyond the float range
     ("optim.betas=[.nan, 0.95]", r"optim\.betas\[0\]: expected a finite number"),
-    ("model.rope_base=1", r"^model\.rope_base: must be > 1, got 1$"),
+    # a flat name (configs written before the attention section) reads into its place, and the error names that place
+    ("model.rope_base=1", r"^model\.attention\.rope_base: must be > 1, got 1$"),
     ("model.rope_base=0", "rope_base: must be > 1"),
     ("model.rope_base=-1", "rope_base: must be > 1"),
     ("seed=1180591620717411303424", r"^seed: must be in \[0, 9223372036854775807\], got 1180591620717411303424$"),
@@ -80,7 +81,7 @@ def test_non_finite_out_of_range_and_malformed_values_are_named(tiny_config, ove
 def test_limits_themselves_are_accepted(tiny_config):
     cfg = load_train_config(tiny_config, ["seed=9223372036854775807", "threads=1024", "name=run_2.b-c",
                                           "model.rope_base=1.5", "model.vocab_size=16777216"])
-    assert (cfg.seed, cfg.threads, cfg.run_name, cfg.model.rope_base) == (2**63 - 1, 1024, "run_2.b-c", 1.5)
+    assert (cfg.seed, cfg.threads, cfg.run_name, cfg.model.attention.rope_base) == (2**63 - 1, 1024, "run_2.b-c", 1.5)
     # an empty name is the default: the run is named after the variant
     unnamed = {**yaml.safe_load(tiny_config.read_text()), "name": ""}
     assert load_train_config(data=unnamed).run_name == "lmm"
@@ -89,7 +90,7 @@ def test_limits_themselves_are_accepted(tiny_config):
 @pytest.mark.parametrize("make, field", [
     (lambda: TitansConfig(mlp_ratio=float("nan")), "mlp_ratio"),
     (lambda: TitansConfig(variant="swa", mlp_ratio=float("inf")), "mlp_ratio"),
-    (lambda: TitansConfig(rope_base=float("nan")), "rope_base"),
+    (lambda: TitansConfig(rope_base=float("nan")), "attention.rope_base"),  # the flat name, read into its section
     (lambda: OptimConfig(lr=float("inf")), "lr"),
     (lambda: OptimConfig(weight_decay=float("nan")), "weight_decay"),
 ])
@@ -179,7 +180,7 @@ def test_demo_pair_shares_task_and_window_and_has_similar_size():
     configs = [load_train_config(p) for p in SHIPPED if p.parent.name == "demo"]
     assert len(configs) == 2 and {c.model.variant for c in configs} in ({"lmm", "swa"}, {"mac", "swa"})
     assert len({(c.task.name, c.task.train_length, tuple(c.task.eval_lengths)) for c in configs}) == 1
-    assert len({c.model.window for c in configs}) == 1
+    assert len({c.model.attention.window for c in configs}) == 1
     assert any("swa" in c.run_name for c in configs)
     train_length = configs[0].task.train_length
     assert configs[0].task.eval_lengths == [train_length, 2 * train_length, 4 * train_length, 8 * train_length]

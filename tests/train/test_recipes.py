@@ -35,7 +35,8 @@ def test_each_size_has_every_variant_at_the_papers_settings(size):
         assert (r["depth"], r["dim"], r["heads"], r["lr"]) == (blocks, width, heads, lr)
         assert r["tokens"] == pytest.approx(billions * 1e9, rel=1e-4)
         cfg = load_train_config(r["recipe"], ["task.name=passkey", "task.options={}"])  # every field valid, no data
-        assert (cfg.model.segment_len, cfg.model.window, cfg.model.n_persistent, cfg.model.memory.chunk_size) == \
+        attention = cfg.model.attention
+        assert (attention.segment_len, attention.window, attention.n_persistent, cfg.model.memory.chunk_size) == \
             (512, 2048, 128, 16)  # §E.1
 
 

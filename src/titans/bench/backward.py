@@ -201,7 +201,7 @@ def check_piece(cfg: TrainConfig, piece: int) -> None:
     """`piece` must leave the outputs those of one call: a multiple of the chunk (and of MAC's segment)."""
     unit = cfg.model.memory.chunk_size
     if cfg.model.variant == "mac":
-        unit = math.lcm(unit, cfg.model.segment_len)
+        unit = math.lcm(unit, cfg.model.attention.segment_len)
     if piece % unit:
         raise ValueError(f"piece {piece} must be a multiple of {unit} (the memory's chunk"
                          f"{' and MAC segment' if cfg.model.variant == 'mac' else ''}), so that the replay reads "
@@ -213,7 +213,7 @@ def replay(checkpoint: Path, steps: list[int] | None, piece: int | None, overrid
     """Replay `steps` (default: the checkpoint's own step) of the run a checkpoint belongs to, every one from the
     checkpoint's weights."""
     path, cfg, task, model = load_replay(checkpoint, overrides, dtype)
-    piece = piece or (cfg.model.segment_len if cfg.model.variant == "mac" else cfg.model.memory.chunk_size)
+    piece = piece or (cfg.model.attention.segment_len if cfg.model.variant == "mac" else cfg.model.memory.chunk_size)
     check_piece(cfg, piece)
     chosen = steps if steps else [checkpoint_step(path)]
     return path, cfg, [replay_step(model, cfg, task, step, piece) for step in chosen]

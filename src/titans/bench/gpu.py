@@ -307,7 +307,7 @@ def decode_point(variant: str, model: dict[str, Any], context: int, batch: int, 
         lm = TitansLM(config).to(device=device, dtype=dtype).eval()
         prompt = torch.randint(0, model["vocab_size"], (batch, context), device=device)
         chunk = config.memory.chunk_size  # the phases repeat every chunk, MAC's every lcm(chunk, segment)
-        warm = 2 * (math.lcm(chunk, config.segment_len) if variant == "mac" else chunk)
+        warm = 2 * (math.lcm(chunk, config.attention.segment_len) if variant == "mac" else chunk)
         peak_reset(device)
         with torch.no_grad():
             # the context's state without its logits (at 32K × batch 16 × 32K vocabulary they would take 33 GB)

@@ -22,12 +22,12 @@ from pydantic import Field, NonNegativeInt, PositiveFloat, PositiveInt, model_va
 
 from ..config import Config, FromList, read_yaml_mapping, shipped_configs
 from ..models.config import (
-    FLAT_MEMORY_FIELDS,
     MODEL_VARIANTS,
     VARIANTS,
     ModelVariant,
     TitansConfig,
-    nest_memory_fields,
+    flat_field_path,
+    nest_flat_fields,
 )
 from ..train.config import RUN_NAME, TrainConfig, load_train_config
 
@@ -214,12 +214,12 @@ MERGED = ("base", "capacity", "efficiency", "continual")  # the sections `quick`
 
 def merge(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
     """`base` with `changes` applied section by section (nested mappings merge, everything else is replaced). A model
-    section's flat memory fields (`memory_depth`) are nested first on both sides, so that a change wins however either
-    side spells the field."""
+    section's flat fields (`memory_depth`, `window`) are nested first on both sides, so that a change wins however
+    either side spells the field."""
     merged = dict(base)
     for key, value in changes.items():
         if key == "model" and isinstance(value, dict) and isinstance(merged.get(key), dict):
-            merged[key] = merge(nest_memory_fields(merged[key]), nest_memory_fields(value))
+            merged[key] = merge(nest_flat_fields(merged[key]), nest_flat_fields(value))
         elif isinstance(value, dict) and isinstance(merged.get(key), dict) and key not in ("options",):
             merged[key] = merge(merged[key], value)
         else:
@@ -231,11 +231,12 @@ MISSING = object()
 
 
 def model_field(model: dict[str, Any], path: str) -> Any:
-    """The value at a field's path (`memory.init_theta`, or its flat name `memory_init_theta`) of a model config's
-    mapping, flat or nested (a results JSON's records hold both); MISSING where it has none."""
-    node: Any = nest_memory_fields(model)
-    if "." not in path and path in FLAT_MEMORY_FIELDS:
-        path = f"memory.{FLAT_MEMORY_FIELDS[path]}"
+    """The value at a field's path (`memory.init_theta`, `attention.window`, or a flat name, `memory_init_theta`,
+    `window`) of a model config's mapping, flat or nested (a results JSON's records hold both); MISSING where it has
+    none."""
+    node: Any = nest_flat_fields(model)
+    if "." not in path:
+        path = flat_field_path(path) or path
     for part in path.split("."):
         if not isinstance(node, dict) or part not in node:
             return MISSING

@@ -23,7 +23,7 @@ from .config import TitansConfig
 
 
 def build_transformer_mixer(cfg: TitansConfig) -> Attention:
-    return Attention(cfg.dim, cfg.heads, window=None, rope_base=cfg.rope_base, dropout=cfg.dropout)
+    return Attention(cfg.dim, cfg.heads, window=None, rope_base=cfg.attention.rope_base, dropout=cfg.dropout)
 
 
 def build_swa_mixer(cfg: TitansConfig) -> Attention:

@@ -27,7 +27,8 @@ def build_memory(cfg: TitansConfig, rule: Optional[MemoryRule] = None, **structu
 
 
 def build_window_attention(cfg: TitansConfig) -> Attention:
-    return Attention(cfg.dim, cfg.heads, window=cfg.window, rope_base=cfg.rope_base, dropout=cfg.dropout)
+    attention = cfg.attention
+    return Attention(cfg.dim, cfg.heads, window=attention.window, rope_base=attention.rope_base, dropout=cfg.dropout)
 
 
 def with_prefix(x: Tensor, persistent: Optional[nn.Module], state: Any) -> tuple[Tensor, int]:

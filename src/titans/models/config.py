@@ -48,7 +48,7 @@ class MemoryConfig(MemoryRule):
 
 
 # The flat names of the memory's fields, as configs wrote them before the `memory:` section (format version 1): each
-# still reads, into its place in the section (`nest_memory_fields`).
+# still reads, into its place in the section (`nest_flat_fields`).
 FLAT_MEMORY_FIELDS: dict[str, str] = {
     "memory_depth": "depth", "memory_expansion": "expansion", "memory_heads": "heads", "chunk_size": "chunk_size",
     "max_lr": "max_lr", "memory_init_theta": "init_theta", "memory_init_eta": "init_eta",
@@ -62,22 +62,59 @@ FLAT_MEMORY_FIELDS: dict[str, str] = {
 }
 
 
-def nest_memory_fields(model: Any) -> Any:
-    """A model config's mapping with its flat memory fields (`memory_depth: 1`, `chunk_size: 8`) moved into its
-    `memory` section. Where a field is given both ways in one mapping, the flat one wins: it is the more specific
-    change (`cfg.replace(memory_depth=1)` lays it over a complete section). Mappings that are merged (a YAML file and
-    its overrides, an experiment's base and its rows) are nested first, so the later one wins however it is
-    spelled."""
+class AttentionConfig(Config):
+    """The `attention:` section of a `TitansConfig`: the attention's window, MAC's segment, the persistent tokens and
+    the rotary embedding, as every variant with attention reads them."""
+
+    window: int = Field(64, ge=1)  # sliding-window attention (swa, mag, mal)
+    segment_len: int = Field(64, ge=1)  # MAC segment length C (paper: 512)
+    n_persistent: int = Field(4, ge=0)  # persistent memory tokens per layer (mac, mag, mal; paper: 128 for MAC)
+    # RoPE turns channel pair i by rope_base^(-2i/head_dim) radians per token, which falls from fast to slow
+    # rotations only for a base above 1.
+    rope_base: float = Field(10_000.0, gt=1)
+
+
+# The flat names of the attention's fields, as configs wrote them before the `attention:` section (format version 3
+# and earlier): each still reads, into its place in the section (`nest_flat_fields`).
+FLAT_ATTENTION_FIELDS: dict[str, str] = {name: name for name in ("window", "segment_len", "n_persistent", "rope_base")}
+
+# Every section's flat names: section -> {flat name: the field's name in the section}.
+FLAT_FIELDS: dict[str, dict[str, str]] = {"memory": FLAT_MEMORY_FIELDS, "attention": FLAT_ATTENTION_FIELDS}
+
+
+def flat_field_path(name: str) -> str | None:
+    """The nested path (`memory.depth`, `attention.window`) of a flat field's name (`memory_depth`, `window`); None
+    for a name that is not one."""
+    for section, fields in FLAT_FIELDS.items():
+        if name in fields:
+            return f"{section}.{fields[name]}"
+    return None
+
+
+def nest_flat_fields(model: Any) -> Any:
+    """A model config's mapping with its flat fields (`memory_depth: 1`, `chunk_size: 8`, `window: 32`) moved into
+    their sections (`memory`, `attention`). Where a field is given both ways in one mapping, the flat one wins: it is
+    the more specific change (`cfg.replace(memory_depth=1)` lays it over a complete section). Mappings that are merged
+    (a YAML file and its overrides, an experiment's base and its rows) are nested first, so the later one wins however
+    it is spelled."""
     if not isinstance(model, dict):
         return model
-    memory = model.get("memory", {})
-    flat = {FLAT_MEMORY_FIELDS[key]: value for key, value in model.items() if key in FLAT_MEMORY_FIELDS}
-    if not flat and (isinstance(memory, MemoryConfig) or not isinstance(memory, MemoryRule)):
+    for section, fields in FLAT_FIELDS.items():
+        model = _nest_section(model, section, fields)
+    return model
+
+
+def _nest_section(model: dict[str, Any], section: str, fields: dict[str, str]) -> dict[str, Any]:
+    nested = model.get(section, {})
+    flat = {fields[key]: value for key, value in model.items() if key in fields}
+    # the memory section may be given as a rule alone (the structure at its defaults), as an object
+    as_object = isinstance(nested, MemoryRule) and not isinstance(nested, MemoryConfig)
+    if not flat and not as_object:
         return model
-    if isinstance(memory, MemoryRule):  # a section, or a rule alone (the structure at its defaults), as an object
-        memory = memory.to_dict()
-    rest = {key: value for key, value in model.items() if key not in FLAT_MEMORY_FIELDS and key != "memory"}
-    return {**rest, "memory": {**memory, **flat} if isinstance(memory, dict) else memory}
+    if isinstance(nested, Config):
+        nested = nested.to_dict()
+    rest = {key: value for key, value in model.items() if key not in fields and key != section}
+    return {**rest, section: {**nested, **flat} if isinstance(nested, dict) else nested}
 
 
 # Defaults that changed, with the value every config saved before its field existed was trained with: a saved config
@@ -93,9 +130,10 @@ EARLIER_DEFAULTS: dict[str, Any] = {
 def with_earlier_defaults(model: dict[str, Any]) -> dict[str, Any]:
     """A saved model config's fields (flat or nested), nested, those it lacks whose default changed filled with their
     earlier value."""
-    model = nest_memory_fields(model)
-    filled = {**model, "memory": dict(model.get("memory") or {})} if isinstance(model.get("memory", {}), dict) \
-        else dict(model)
+    filled = dict(nest_flat_fields(model))
+    for section in FLAT_FIELDS:
+        if isinstance(filled.get(section), dict):
+            filled[section] = dict(filled[section])
     for path, value in EARLIER_DEFAULTS.items():
         section, field = path.split(".")
         node = filled.setdefault(section, {})
@@ -150,9 +188,9 @@ class TitansConfig(Config):
     dim: int = Field(128, ge=1)
     depth: int = Field(2, ge=1)  # number of blocks
     heads: int = Field(4, ge=1)
-    window: int = Field(64, ge=1)  # sliding-window attention (swa, mag, mal)
-    segment_len: int = Field(64, ge=1)  # MAC segment length C (paper: 512)
-    n_persistent: int = Field(4, ge=0)  # persistent memory tokens per layer (mac, mag, mal; paper: 128 for MAC)
+    # the attention: its window, MAC's segment, the persistent tokens, RoPE's base; the flat names of configs written
+    # before it (window, segment_len, n_persistent, rope_base) still read
+    attention: AttentionConfig = Field(default_factory=AttentionConfig)
     # the neural memory: its update rule and structure (lmm, mac, mag, mal; gated_deltanet takes its structure and
     # fixes its own rule); the flat names of configs written before it (memory_depth, chunk_size, ...) still read
     memory: MemoryConfig = Field(default_factory=MemoryConfig)
@@ -179,15 +217,12 @@ class TitansConfig(Config):
     match_params: bool = True  # size each variant's MLP so all variants have about the same parameters
     dropout: float = Field(0.0, ge=0, lt=1)
     tie_embeddings: bool = True
-    # RoPE turns channel pair i by rope_base^(-2i/head_dim) radians per token, which falls from fast to slow
-    # rotations only for a base above 1.
-    rope_base: float = Field(10_000.0, gt=1)
 
     @model_validator(mode="before")
     @classmethod
-    def nest_flat_fields(cls, data: Any) -> Any:
-        """The flat memory fields of configs written before the `memory:` section, in their places in it."""
-        return nest_memory_fields(data)
+    def nest_sections(cls, data: Any) -> Any:
+        """The flat fields of configs written before the `memory:` and `attention:` sections, in their places."""
+        return nest_flat_fields(data)
 
     @model_validator(mode="after")
     def check_rules(self) -> TitansConfig:
@@ -201,9 +236,10 @@ class TitansConfig(Config):
         return self
 
     def replace(self, **changes: Any) -> TitansConfig:
-        """A copy with `changes`, flat memory fields (`memory_depth=1`) or a `memory` mapping merged into the section
-        (`memory={"depth": 1}` changes the depth alone)."""
+        """A copy with `changes`, flat fields (`memory_depth=1`, `window=8`) or a section's mapping merged into the
+        section (`memory={"depth": 1}` changes the depth alone)."""
         data = self.to_dict()
-        if isinstance(changes.get("memory"), dict):
-            changes = {**changes, "memory": {**data["memory"], **changes["memory"]}}
+        for section in FLAT_FIELDS:
+            if isinstance(changes.get(section), dict):
+                changes = {**changes, section: {**data[section], **changes[section]}}
         return type(self).from_dict({**data, **changes})

@@ -21,7 +21,7 @@ from typing import Any, Optional
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .config import TitansConfig, nest_memory_fields
+from .config import TitansConfig, nest_flat_fields
 from .lm import Backbone, State
 
 
@@ -53,8 +53,9 @@ class TitansEncoder(nn.Module):
                             ("heads", heads)):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
-        overrides = nest_memory_fields(config_overrides)
+        overrides = nest_flat_fields(config_overrides)
         memory = dict(overrides.pop("memory", None) or {})
+        attention = {"window": window_size, "segment_len": window_size, **dict(overrides.pop("attention", None) or {})}
         memory_heads = memory.pop("heads", None) or heads
         if hidden_size % heads or hidden_size % memory_heads:
             raise ValueError(f"hidden_size ({hidden_size}) must be divisible by heads ({heads}, memory {memory_heads})")
@@ -65,8 +66,8 @@ class TitansEncoder(nn.Module):
         memory = {"expansion": expansion, "heads": memory_heads, "momentum": momentum, "chunk_size": chunk_size,
                   **memory}
         return TitansConfig(
-            variant=variant, vocab_size=1, dim=hidden_size, depth=num_layers, heads=heads, window=window_size,
-            segment_len=window_size, memory=memory, dropout=dropout, tie_embeddings=False, **overrides,
+            variant=variant, vocab_size=1, dim=hidden_size, depth=num_layers, heads=heads,
+            attention=attention, memory=memory, dropout=dropout, tie_embeddings=False, **overrides,
         )
 
     def hidden_states(self, x: Tensor, state: Optional[State] = None) -> tuple[Tensor, State]:

@@ -87,10 +87,11 @@ class StaticMACState:
 class MACMixer(nn.Module):
     def __init__(self, cfg: TitansConfig):
         super().__init__()
-        self.segment_len = cfg.segment_len
+        attention = cfg.attention
+        self.segment_len = attention.segment_len
         self.write_input, self.residual_read = cfg.mac_write_input, cfg.mac_residual_read
-        self.persistent = PersistentMemory(cfg.n_persistent, cfg.dim) if cfg.n_persistent else None
-        self.attention = SegmentAttention(cfg.dim, cfg.heads, cfg.segment_len, cfg.rope_base, cfg.dropout,
+        self.persistent = PersistentMemory(attention.n_persistent, cfg.dim) if attention.n_persistent else None
+        self.attention = SegmentAttention(cfg.dim, cfg.heads, attention.segment_len, attention.rope_base, cfg.dropout,
                                           position_free_persistent=cfg.mac_position_free_persistent)
         # the attention output is normalised before the memory writes it (module docstring); written from the block's
         # input (already normalised), the memory needs no norm of its own

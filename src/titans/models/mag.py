@@ -31,7 +31,7 @@ class AttentionMemoryState:
 class MAGMixer(nn.Module):
     def __init__(self, cfg: TitansConfig):
         super().__init__()
-        self.persistent = PersistentMemory(cfg.n_persistent, cfg.dim) if cfg.n_persistent else None
+        self.persistent = PersistentMemory(cfg.attention.n_persistent, cfg.dim) if cfg.attention.n_persistent else None
         self.attention = build_window_attention(cfg)
         self.memory = build_memory(cfg)
         self.norm_attention = RMSNorm(cfg.dim)

@@ -24,7 +24,7 @@ from .mag import AttentionMemoryState
 class MALMixer(nn.Module):
     def __init__(self, cfg: TitansConfig):
         super().__init__()
-        self.persistent = PersistentMemory(cfg.n_persistent, cfg.dim) if cfg.n_persistent else None
+        self.persistent = PersistentMemory(cfg.attention.n_persistent, cfg.dim) if cfg.attention.n_persistent else None
         self.memory = build_memory(cfg)
         self.norm = RMSNorm(cfg.dim)
         self.attention = build_window_attention(cfg)

@@ -45,8 +45,8 @@ def peer_options(cfg: TitansConfig) -> dict[str, Any]:
                          "segment_len, n_persistent); set them there")
     memory = {"default_model_kwargs": {"depth": cfg.memory.depth, "expansion_factor": float(cfg.memory.expansion)}}
     return {"num_tokens": cfg.vocab_size, "dim": cfg.dim, "depth": cfg.depth, "heads": cfg.heads,
-            "dim_head": cfg.dim // cfg.heads, "segment_len": cfg.segment_len,
-            "num_persist_mem_tokens": cfg.n_persistent, "neural_memory_kwargs": memory, **RECOMMENDED,
+            "dim_head": cfg.dim // cfg.heads, "segment_len": cfg.attention.segment_len,
+            "num_persist_mem_tokens": cfg.attention.n_persistent, "neural_memory_kwargs": memory, **RECOMMENDED,
             **cfg.titans_pytorch}
 
 

@@ -1,6 +1,6 @@
 """The `config.json` of a saved model: one layout, read by `TitansLM.from_pretrained` and by `titans.hf`.
 
-    {"model_type": "titans", "titans_format_version": 2, "titans": {<every TitansConfig field>}}
+    {"model_type": "titans", "titans_format_version": 4, "titans": {<every TitansConfig field>}}
 
 `model_type` is what Hugging Face's `AutoConfig` dispatches on; the `titans` section is a `TitansConfig`,
 loaded strictly (an unknown field is refused, so a typo never falls back to a default). Other top-level keys
@@ -19,7 +19,9 @@ Versions: 1 wrote the memory's fields flat among the others (`memory_depth`, `ch
 their earlier value, and the loss, which version 1 did not have, the squared one (the only loss then). 3 adds MAC's
 switches (`mac_write_input`, `mac_residual_read`, `mac_position_free_persistent`, `mac_separate_norms`) and the
 `titans_pytorch` options of the peer variant: a version-2 file lacks them and loads with their defaults, the model it
-was saved from.
+was saved from. 4 writes the attention's fields (`window`, `segment_len`, `n_persistent`, `rope_base`) in the
+`attention` section (`TitansConfig.attention`); every earlier version wrote them flat, and they are read into the
+section as the memory's are (`models.config.FLAT_ATTENTION_FIELDS`).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from typing import Any
 from .config import TitansConfig, with_earlier_defaults
 
 MODEL_TYPE = "titans"
-FORMAT_VERSION = 3  # raise it with every TitansConfig field added (see the module docstring)
+FORMAT_VERSION = 4  # raise it with every TitansConfig field added (see the module docstring)
 SECTION = "titans"
 VERSION_KEY = "titans_format_version"
 

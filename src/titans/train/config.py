@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal, Optional
 from pydantic import Field, PositiveInt, model_validator
 
 from ..config import Config, FromList, apply_overrides, read_yaml_mapping
-from ..models.config import TitansConfig, nest_memory_fields, with_earlier_defaults
+from ..models.config import TitansConfig, nest_flat_fields, with_earlier_defaults
 from ..tasks import Task, get_task
 from .precision import Precision
 
@@ -153,18 +153,18 @@ def resume_mismatches(saved: TrainConfig, current: TrainConfig) -> list[str]:
 def saved_train_dict(data: Any) -> Any:
     """A saved TrainConfig's mapping (a checkpoint's config.yaml, a results JSON's record) with the model fields it
     lacks whose default changed since filled with their earlier value (`models.config.EARLIER_DEFAULTS`); the memory's
-    fields nested where it wrote them flat."""
+    and the attention's fields nested where it wrote them flat."""
     if isinstance(data, dict) and isinstance(data.get("model", {}), dict):
         return {**data, "model": with_earlier_defaults(data.get("model", {}))}
     return data
 
 
 def nested_train_dict(data: Any) -> Any:
-    """A TrainConfig mapping with its model's flat memory fields moved into the `memory` section
-    (`models.config.nest_memory_fields`): what two mappings are made before one is laid over the other (a file and its
+    """A TrainConfig mapping with its model's flat fields moved into their sections (`memory`, `attention`;
+    `models.config.nest_flat_fields`): what two mappings are made before one is laid over the other (a file and its
     overrides), so that the later wins however either spells a field."""
     if isinstance(data, dict) and isinstance(data.get("model"), dict):
-        return {**data, "model": nest_memory_fields(data["model"])}
+        return {**data, "model": nest_flat_fields(data["model"])}
     return data
 
 

@@ -130,13 +130,13 @@ def run_demo(out: Path, config_paths: list[Path] | None = None, jobs: int | None
     results, details = {}, {}
     for cfg, run in zip(configs, runs):
         results[cfg.run_name] = {str(k): v["accuracy"] for k, v in run.evaluation.items()}
-        details[cfg.run_name] = {"variant": cfg.model.variant, "window": cfg.model.window, "steps": run.step,
+        details[cfg.run_name] = {"variant": cfg.model.variant, "window": cfg.model.attention.window, "steps": run.step,
                                  "train_seconds": round(run.seconds, 1), "num_parameters": run.num_parameters,
                                  "final_train_loss": run.final_loss}
         short = f" (the time budget stopped it before step {cfg.steps})" if run.step < cfg.steps else ""
         print(f"{cfg.run_name}: {run.num_parameters} parameters, {run.step} steps in {run.seconds:.0f} s{short}, "
               f"final training loss {run.final_loss:.3f}", flush=True)
-    windows = {c.model.window for c in configs if c.model.variant in ("swa", "mag", "mal")}
+    windows = {c.model.attention.window for c in configs if c.model.variant in ("swa", "mag", "mal")}
     print(format_table(results), flush=True)
     print(f"demo: {wall:.0f} s of training and evaluation (wall clock, {cores} cores, kernels' build aside)",
           flush=True)
