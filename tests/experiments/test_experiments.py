@@ -13,7 +13,8 @@ from titans.cli import app
 from titans.experiments import expand, experiment_names, load_experiment, run_experiment, write_report
 from titans.experiments.measure import memory_reader
 from titans.experiments.report import README_END, README_START, fmt, load_results, plot_models, stale_rows
-from titans.experiments.runner import _train_or_error, describe_run, finished, resumable, train_one, train_results
+from titans.experiments.runner import train_results
+from titans.experiments.runs import _train_or_error, describe_run, finished, resumable, train_one
 from titans.models.config import FLAT_FIELDS, PEER_VARIANTS, flat_field_path
 from titans.tasks import measure_capacity
 from titans.train import build_model, build_task, train

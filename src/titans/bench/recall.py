@@ -6,7 +6,7 @@ then evaluated at 1×, 4× and 8× the training length on held-out sequences. Th
 gates' initialisation, the bounds) are never set here: this measures the defaults.
 
 Runs go to `<run_dir>/<variant>-<task>-s<seed>`; a run whose directory already holds its result for the same config
-is not trained again, and an unfinished one continues from its checkpoint (`experiments.runner.train_one`).
+is not trained again, and an unfinished one continues from its checkpoint (`experiments.runs.train_one`).
 """
 
 from __future__ import annotations

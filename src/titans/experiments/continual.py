@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from ..tasks.lm import bits_per_byte, repeated_passage_documents
 from ..train.batches import derive_seed, streamed
 from ..train.loop import load_trained
-from .runner import (
+from .runs import (
     _train_or_error,
     add_setting,
     cached,

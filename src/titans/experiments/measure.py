@@ -87,7 +87,7 @@ def capacity_point(grid: dict[str, Any], memory_depth: int, expansion: int, chun
 def capacity_results(exp: Experiment, points_dir: Path, jobs: int, quiet: bool = False) -> dict[str, Any]:
     """The capacity JSON body: one row per memory depth, one panel per chunk size, x the expansion. Each shape's
     result is kept in `points_dir` and reused while the grid's settings stay the same."""
-    from .runner import add_setting, cached, run_parallel
+    from .runs import add_setting, cached, run_parallel
 
     grid = exp.capacity
     shapes = [(d, e, c) for c in grid.chunk_sizes for d in grid.memory_depths for e in grid.expansions]
@@ -194,7 +194,7 @@ def efficiency_results(exp: Experiment, points_dir: Path, quiet: bool = False) -
     measure each other. Each point is kept in `points_dir` and reused on the same machine with the same settings."""
     from ..machine import describe_machine, reference_available
     from ..train.config import load_train_config
-    from .runner import cached, run_parallel
+    from .runs import cached, run_parallel
 
     grid = exp.efficiency
     models = dict(exp.models)
