@@ -446,7 +446,7 @@ BAD_CASES = {
 def test_values_off_the_cpu_are_read_only_in_debug_mode(monkeypatch, debug):
     """Checking a gate's values reads them back from the device, a host sync on a GPU: off the CPU only the shapes
     are checked unless TITANS_CHECKS=1. (Meta tensors stand in for a GPU's: reading one back fails.)"""
-    from titans.memory.checks import check_memory_args, checks_values
+    from titans.memory.checks import Gates, check_memory_args, checks_values
 
     monkeypatch.setenv("TITANS_CHECKS", "1" if debug else "0")
     q, k, v, theta, eta, alpha, weights, momentum = (
@@ -454,11 +454,12 @@ def test_values_off_the_cpu_are_read_only_in_debug_mode(monkeypatch, debug):
     assert checks_values(k) == debug and checks_values(torch.zeros(1))
     if debug:
         with pytest.raises(RuntimeError, match="meta"):
-            check_memory_args(q, k, v, theta, eta, alpha, weights, momentum, 4, paper(residual=True))
+            check_memory_args(q, k, v, Gates(theta, eta, alpha, None), weights, momentum, 4, paper(residual=True))
     else:
-        check_memory_args(q, k, v, theta, eta, alpha, weights, momentum, 4, paper(residual=True))
+        check_memory_args(q, k, v, Gates(theta, eta, alpha, None), weights, momentum, 4, paper(residual=True))
     with pytest.raises(ValueError, match="^theta"):  # the shapes are checked on every device
-        check_memory_args(q, k, v, theta[:, :1], eta, alpha, weights, momentum, 4, paper(residual=True))
+        check_memory_args(q, k, v, Gates(theta[:, :1], eta, alpha, None), weights, momentum, 4,
+                          paper(residual=True))
 
 
 @pytest.mark.parametrize("case", sorted(BAD_CASES))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import TYPE_CHECKING, Callable, Optional, TypeVar, Union
+from typing import TYPE_CHECKING, Callable, NamedTuple, Optional, TypeVar, Union
 
 import torch
 from torch import Tensor
@@ -21,6 +21,16 @@ if TYPE_CHECKING:
 Theta = Union[Tensor, Callable[[Tensor, int, int], Tensor]]
 # α_t: one gate per token `[batch, heads, seq]` (the paper), or per channel: one `[batch, heads, seq, d_out]` per layer
 Alpha = Union[Tensor, tuple[Tensor, ...]]
+
+
+class Gates(NamedTuple):
+    """θ, η, α and the loss's gate of a run of tokens, as `NeuralMemory` computes them for the functional core."""
+
+    theta: Theta
+    eta: Tensor
+    alpha: Alpha
+    loss_gate: Optional[Tensor]
+
 F = TypeVar("F", bound=Callable)
 
 
@@ -58,18 +68,17 @@ def check_memory_args(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    theta: Theta,
-    eta: Tensor,
-    alpha: Alpha,
+    gates: Gates,
     weights: Weights,
     momentum: Optional[Weights],
     chunk_size: int,
     rule: MemoryRule,
-    loss_gate: Optional[Tensor] = None,
 ) -> Weights:
     """Validate the memory call; return the momentum (zeros when None). The rule's own fields were checked when it was
     made (`MemoryRule`); here what depends on the tensors."""
     from .rule import MemoryRule
+
+    theta, eta, alpha, loss_gate = gates
 
     if not isinstance(rule, MemoryRule):
         raise ValueError(f"rule must be a MemoryRule (titans.memory.MemoryRule), got {type(rule).__name__}")

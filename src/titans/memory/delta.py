@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .checks import check_memory_args, without_autocast
+from .checks import Gates, check_memory_args, without_autocast
 from .decays import forget_decays
 from .mlp import Weights
 from .rule import MemoryRule, bounded_theta
@@ -49,7 +49,7 @@ def delta_rule_memory(
         raise ValueError("rule: the exact delta rule takes its gradients per token (gradients='token'); a rule with "
                          "gradients='chunk' is parallel_memory's")
     no_momentum = torch.zeros_like(alpha) if isinstance(alpha, Tensor) else alpha
-    check_memory_args(q, k, v, theta, no_momentum, alpha, weights, None, chunk_size, rule)
+    check_memory_args(q, k, v, Gates(theta, no_momentum, alpha, None), weights, None, chunk_size, rule)
     if len(weights) != 1:
         raise ValueError(f"weights: the delta rule is a matrix memory (depth 1), got {len(weights)} layers")
     (W,) = weights

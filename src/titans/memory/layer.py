@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import NamedTuple, Optional, Union
+from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from ..layers.attention import one_token
 from ..layers.conv import CausalDepthwiseConv, causal_depthwise_conv
 from ..layers.state import DecodeClock, check_state_shapes, check_state_type, states_trusted
-from .checks import Alpha, Theta
+from .checks import Gates
 from .delta import delta_rule_memory
 from .mlp import Weights, memory_apply
 from .parallel import DEFAULT_RULE, IMPLEMENTATIONS, parallel_memory
@@ -35,15 +35,6 @@ from .step import memory_token_step
 
 def logit(p: float) -> float:
     return math.log(p / (1.0 - p))
-
-
-class Gates(NamedTuple):
-    """θ, η, α and the loss's gate of a run of tokens, as `NeuralMemory` computes them for the functional core."""
-
-    theta: Theta
-    eta: Tensor
-    alpha: Alpha
-    loss_gate: Optional[Tensor]
 
 
 @dataclasses.dataclass

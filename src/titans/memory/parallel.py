@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from .checks import Alpha, Theta, check_memory_args, without_autocast
+from .checks import Alpha, Gates, Theta, check_memory_args, without_autocast
 from .decays import Decays, channel_decays, chunk_decays, momentum_decays
 from .fused import MemoryScan, ScanConfig
 from .mlp import (
@@ -369,7 +369,7 @@ def parallel_memory(
     A sequence whose length is not a multiple of `chunk_size` ends with a ragged chunk. The state is
     kept in the dtype of `weights` (use float32 there even when q/k/v are bf16).
     """
-    momentum = check_memory_args(q, k, v, theta, eta, alpha, weights, momentum, chunk_size, rule, loss_gate)
+    momentum = check_memory_args(q, k, v, Gates(theta, eta, alpha, loss_gate), weights, momentum, chunk_size, rule)
     if checkpoint_chunks is not None and (not isinstance(checkpoint_chunks, int) or checkpoint_chunks < 1):
         raise ValueError(f"checkpoint_chunks must be a positive integer or None, got {checkpoint_chunks!r}")
     implementation = serving_implementation(implementation, q, theta, alpha, weights, chunk_size, rule)

@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .checks import Alpha, Theta, check_memory_args, without_autocast
+from .checks import Alpha, Gates, Theta, check_memory_args, without_autocast
 from .mlp import Weights, grad_norm_scale, memory_apply, state_norm_scale
 from .rule import MemoryRule, bounded_theta
 
@@ -36,7 +36,7 @@ def sequential_memory(
     loss_gate: Optional[Tensor] = None,
 ) -> tuple[Tensor, Weights, Weights]:
     """Same contract as `parallel_memory` (without its implementation and recomputation choices), token by token."""
-    momentum = check_memory_args(q, k, v, theta, eta, alpha, weights, momentum, chunk_size, rule, loss_gate)
+    momentum = check_memory_args(q, k, v, Gates(theta, eta, alpha, loss_gate), weights, momentum, chunk_size, rule)
     # ρ on every layer's step but the last (1: the paper's rule)
     layer_steps = [rule.layer_step(i, len(weights)) for i in range(len(weights))]
     max_grad_norm, max_state_norm, normalize_chunk = rule.max_grad_norm, rule.max_state_norm, rule.normalize_chunk
