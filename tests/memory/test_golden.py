@@ -24,6 +24,7 @@ from safetensors import safe_open
 
 from titans import TitansConfig, TitansLM
 from titans.memory import MemoryRule, fused, parallel, parallel_memory, sequential_memory, state_ops
+from titans.memory.checks import Gates
 from titans.memory.step import memory_token_step
 from titans.models.config import MemoryConfig
 
@@ -151,8 +152,8 @@ def test_one_token_step_is_unchanged(golden, name, depth, seq, chunk, rule, extr
                                                      else a.detach() for a in functional_inputs(golden, name, depth))
     n = min(chunk, seq)
     for t in range(1, n + 1):
-        y, W, S = memory_token_step(q[:, :, t - 1:t], k[:, :, :t], v[:, :, :t], theta[:, :, :t], eta[:, :, :t],
-                                    alpha[:, :, :t], weights, momentum, t == n, rule)
+        gates = Gates(theta[:, :, :t], eta[:, :, :t], alpha[:, :, :t], None)
+        y, W, S = memory_token_step(q[:, :, t - 1:t], k[:, :, :t], v[:, :, :t], gates, weights, momentum, t == n, rule)
         for i, x in enumerate([y, *W, *S] if t == n else [y]):
             assert_golden(golden, f"functional/{name}/step{t}/{i}", x)
 

@@ -18,6 +18,7 @@ import torch
 
 from titans import TitansConfig, TitansLM
 from titans.memory import LOSSES, Huber, Lp, MemoryRule, Squared, fused, parallel_memory, sequential_memory, state_ops
+from titans.memory.checks import Gates
 from titans.memory.fused import ScanConfig
 from titans.memory.step import memory_token_step
 
@@ -222,7 +223,8 @@ def test_the_one_token_step_equals_the_chunk_path(loss):
     for t in range(1, 6):
         chunk = [x[:, :, :t] for x in (k, v, theta, eta, alpha)]
         tokens_gate = None if gate is None else gate[:, :, :t]
-        y, W, S = memory_token_step(q[:, :, t - 1:t], *chunk, weights, momentum, t == 5, rule, tokens_gate)
+        y, W, S = memory_token_step(q[:, :, t - 1:t], *chunk[:2], Gates(*chunk[2:], tokens_gate), weights, momentum,
+                                    t == 5, rule)
         y_ref, W_ref, S_ref = parallel_memory(q[:, :, :t], *chunk, weights, momentum, rule=rule, chunk_size=5,
                                               loss_gate=tokens_gate)
         assert (y - y_ref[:, :, -1:]).abs().max() <= 1e-13

@@ -445,8 +445,7 @@ class NeuralMemory(nn.Module):
         queries zero (their outputs discarded), as `forward` runs it."""
         chunk_end = k.shape[2] == self.chunk_size
         if self._steps_tokens:
-            theta, eta, alpha, loss_gate = self._gate_values(gates)
-            return memory_token_step(q, k, v, theta, eta, alpha, weights, momentum, chunk_end, self.rule, loss_gate)
+            return memory_token_step(q, k, v, self._gate_values(gates), weights, momentum, chunk_end, self.rule)
         q = torch.cat([q.new_zeros(*q.shape[:2], k.shape[2] - 1, q.shape[3]), q], dim=2)
         y, W, S = self._memory(q, k, v, gates, weights, momentum)
         return (y[:, :, -1:], W, S) if chunk_end else (y[:, :, -1:], weights, momentum)

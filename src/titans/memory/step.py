@@ -21,11 +21,9 @@ checks nothing (its caller, `NeuralMemory`, built every argument) and is not mea
 
 from __future__ import annotations
 
-from typing import Optional
-
 from torch import Tensor
 
-from .checks import Theta
+from .checks import Gates
 from .decays import last_row_decays
 from .mlp import (
     Weights,
@@ -44,29 +42,27 @@ def memory_token_step(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    theta: Theta,
-    eta: Tensor,
-    alpha: Tensor,
+    gates: Gates,
     weights: Weights,
     momentum: Weights,
     chunk_end: bool,
     rule: MemoryRule,
-    loss_gate: Optional[Tensor] = None,
 ) -> tuple[Tensor, Weights, Weights]:
     """The output of a chunk's newest token, and the state after the chunk if it ends with that token.
 
     Args:
         q: the newest token's query `[batch, heads, 1, d]`.
-        k, v, theta, eta, alpha: the chunk's tokens so far, the newest last (`[batch, heads, n, d]` and
-            `[batch, heads, n]`, n ≤ chunk_size); theta may be `parallel_memory`'s surprise callable.
+        k, v, gates: the chunk's tokens so far, the newest last (`[batch, heads, n, d]`, and θ, η, α and the loss's
+            gate `[batch, heads, n]`, n ≤ chunk_size); θ may be `parallel_memory`'s surprise callable, the loss's
+            gate is None where the rule's loss takes none.
         weights, momentum: W⁰, S⁰, the state the chunk started from (`[batch, heads, d_in, d_out]` per layer).
         chunk_end: whether the newest token completes the chunk.
         rule: the update, as in `parallel_memory` (κ applied to θ here too).
-        loss_gate: the loss's gate of the chunk's tokens so far `[batch, heads, n]`, where the rule's loss takes one.
 
     Returns (y `[batch, heads, 1, d_out]`, weights, momentum): with `chunk_end` the state after the chunk (put back on
     its ball by the bounded state), otherwise W⁰ and S⁰ unchanged (the state advances at chunk ends only).
     """
+    theta, eta, alpha, loss_gate = gates
     theta = bounded_theta(rule, theta, eta)
     out, inputs, preacts = forward_cached(k, weights, rule)  # the keys at W⁰
     if not isinstance(theta, Tensor):  # surprise-gated θ: the loss ℓ_t at W⁰

@@ -36,6 +36,7 @@ from safetensors.torch import save_file  # noqa: E402
 
 from titans import NeuralMemory, TitansConfig, TitansLM  # noqa: E402
 from titans.memory import fused, parallel_memory, sequential_memory  # noqa: E402
+from titans.memory.checks import Gates  # noqa: E402
 from titans.memory.step import memory_token_step  # noqa: E402
 
 DT = torch.float64
@@ -138,8 +139,9 @@ def record_functional(store: dict) -> None:
         q, k, v, theta, eta, alpha, weights, momentum = args
         n = min(chunk, seq)
         for t in range(1, n + 1):
-            y, W, S = memory_token_step(q[:, :, t - 1:t], k[:, :, :t], v[:, :, :t], theta[:, :, :t], eta[:, :, :t],
-                                        alpha[:, :, :t], weights, momentum, chunk_end=t == n, **rule)
+            gates = Gates(theta[:, :, :t], eta[:, :, :t], alpha[:, :, :t], None)
+            y, W, S = memory_token_step(q[:, :, t - 1:t], k[:, :, :t], v[:, :, :t], gates, weights, momentum,
+                                        chunk_end=t == n, **rule)
             kept = [y, *W, *S] if t == n else [y]  # mid-chunk the state is the chunk's start, unchanged
             for i, x in enumerate(kept):
                 store[f"functional/{name}/step{t}/{i}"] = x
