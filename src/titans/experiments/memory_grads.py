@@ -136,8 +136,9 @@ def ratios_to_first(blocks: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def diagnose(run_dir: Path, batches: int = 4, batch_size: int = 16) -> dict[str, Any]:
     """The JSON of one run: its config and step, the batches read, and every block's numbers."""
     from ..models import TitansLM
+    from ..train.batches import EVAL_STREAM, sample_rows
     from ..train.checkpoint import load_trainer_state
-    from ..train.loop import EVAL_STREAM, load_trained, sample_rows
+    from ..train.loop import load_trained
 
     path, cfg, task, model = load_trained(run_dir)
     if not isinstance(model, TitansLM):
