@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+from safetensors import safe_open
 from torch import nn
 
 from titans import TitansConfig, TitansLM
@@ -12,7 +13,7 @@ from titans.experiments.spec import model_field
 from titans.layers import states_trusted, trusted_states
 from titans.layers.attention import reference_window_attention
 from titans.memory import NeuralMemory
-from titans.models import VARIANTS, load_state, sample_next, save_state
+from titans.models import VARIANTS, load_state, sample_next, save_state, state_io
 from titans.models.config import FLAT_MEMORY_FIELDS, MAC_SWITCHES, UNREAD_FIELDS, unread_fields
 from titans.models.pretrained import FORMAT_VERSION
 from titans.models.state_io import _flatten
@@ -193,13 +194,29 @@ def test_a_state_file_records_its_model(tmp_path):
     assert load_state(path, config=tiny_model("mag", dropout=0.1).config) is not None  # dropout: not the state's
     with pytest.raises(ValueError, match="another model: variant='mag' \\(this model: 'mal'\\)"):
         load_state(path, config=mal.config)  # same structure: only the record tells them apart
-    with pytest.raises(ValueError, match="window=5 \\(this model: 7\\)"):
+    with pytest.raises(ValueError, match="another model: attention.window=5 \\(this model: 7\\)$"):
         load_state(path, config=tiny_model("mag", window=7).config)
     save_state(mag.memorize(tokens(1, 9)), tmp_path / "bare.safetensors")
     with pytest.raises(ValueError, match="records no model config"):
         load_state(tmp_path / "bare.safetensors", config=mag.config)
     with pytest.raises(ValueError, match="config must be a titans config"):
         save_state([], tmp_path / "x.safetensors", config={"variant": "mag"})
+
+
+def test_a_state_file_recorded_before_the_attention_section_loads(tmp_path, monkeypatch):
+    """A state saved when the attention's fields were flat (config.json format 3) is the same model's: its record
+    reads as the config reads flat names today."""
+    mag = tiny_model("mag")
+    record = state_io._config_dict(mag.config)
+    record["fields"].update(record["fields"].pop("attention"))  # window, segment_len, ... at the top, as then
+    monkeypatch.setattr(state_io, "_config_dict", lambda config: record)
+    path = tmp_path / "flat.safetensors"
+    save_state(mag.memorize(tokens(1, 9)), path, config=mag.config)
+    monkeypatch.undo()
+    assert "window" in json.loads(safe_open(path, "pt").metadata()[state_io.CONFIG_KEY])["fields"]
+    assert load_state(path, config=mag.config) is not None
+    with pytest.raises(ValueError, match="another model: attention.window=5 \\(this model: 7\\)$"):
+        load_state(path, config=tiny_model("mag", window=7).config)
 
 
 def test_save_state_overwrites_nothing_unless_asked(tmp_path):

@@ -164,11 +164,27 @@ def _check_config(path: Path, metadata: dict[str, str], config: Config) -> None:
     saved, ours = json.loads(metadata[CONFIG_KEY]), json.loads(json.dumps(_config_dict(config)))
     if saved["type"] != ours["type"]:
         raise ValueError(f"{path} holds the state of a {saved['type']} model, not of a {ours['type']}")
-    names = sorted((set(saved["fields"]) | set(ours["fields"])) - _STATE_NEUTRAL)
-    differ = [n for n in names if saved["fields"].get(n) != ours["fields"].get(n)]
+    try:  # a record written before a section was nested (flat names) reads as the config reads it today
+        saved_fields = json.loads(json.dumps(type(config).from_dict(saved["fields"]).to_dict()))
+    except (TypeError, ValueError):  # fields this version does not know: compared as they are, so they are named
+        saved_fields = saved["fields"]
+    saved_leaves, our_leaves = _leaves(saved_fields), _leaves(ours["fields"])
+    names = sorted(n for n in set(saved_leaves) | set(our_leaves) if n.rsplit(".", 1)[-1] not in _STATE_NEUTRAL)
+    differ = [n for n in names if saved_leaves.get(n) != our_leaves.get(n)]
     if differ:
-        listed = ", ".join(f"{n}={saved['fields'].get(n)!r} (this model: {ours['fields'].get(n)!r})" for n in differ)
+        listed = ", ".join(f"{n}={saved_leaves.get(n)!r} (this model: {our_leaves.get(n)!r})" for n in differ)
         raise ValueError(f"{path} holds the state of another model: {listed}")
+
+
+def _leaves(fields: dict, prefix: str = "") -> dict[str, Any]:
+    """A config's fields by dotted path (`attention.window`), sections opened."""
+    leaves = {}
+    for name, value in fields.items():
+        if isinstance(value, dict):
+            leaves.update(_leaves(value, f"{prefix}{name}."))
+        else:
+            leaves[f"{prefix}{name}"] = value
+    return leaves
 
 
 def load_state(path: str | Path, device: str = "cpu", config: Optional[Config] = None) -> Any:
