@@ -57,6 +57,18 @@ C = TypeVar("C", bound="Config")
 T = TypeVar("T")
 
 
+def dotted_fields(data: dict[str, Any], opaque: frozenset[str] = frozenset(), prefix: str = "") -> dict[str, Any]:
+    """A config's fields by dotted path (`model.attention.window`), its sections opened, but not those named in
+    `opaque` (free-form mappings compared whole)."""
+    flat = {}
+    for key, value in data.items():
+        if isinstance(value, dict) and key not in opaque:
+            flat.update(dotted_fields(value, opaque, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
 def _tuple_from_list(value: Any) -> Any:
     return tuple(value) if isinstance(value, list) else value
 

@@ -26,7 +26,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
-from ..config import Config
+from ..config import Config, dotted_fields
 
 METADATA_KEY = "titans_state"
 CONFIG_KEY = "titans_config"
@@ -168,23 +168,13 @@ def _check_config(path: Path, metadata: dict[str, str], config: Config) -> None:
         saved_fields = json.loads(json.dumps(type(config).from_dict(saved["fields"]).to_dict()))
     except (TypeError, ValueError):  # fields this version does not know: compared as they are, so they are named
         saved_fields = saved["fields"]
-    saved_leaves, our_leaves = _leaves(saved_fields), _leaves(ours["fields"])
+    saved_leaves, our_leaves = dotted_fields(saved_fields), dotted_fields(ours["fields"])
     names = sorted(n for n in set(saved_leaves) | set(our_leaves) if n.rsplit(".", 1)[-1] not in _STATE_NEUTRAL)
     differ = [n for n in names if saved_leaves.get(n) != our_leaves.get(n)]
     if differ:
         listed = ", ".join(f"{n}={saved_leaves.get(n)!r} (this model: {our_leaves.get(n)!r})" for n in differ)
         raise ValueError(f"{path} holds the state of another model: {listed}")
 
-
-def _leaves(fields: dict, prefix: str = "") -> dict[str, Any]:
-    """A config's fields by dotted path (`attention.window`), sections opened."""
-    leaves = {}
-    for name, value in fields.items():
-        if isinstance(value, dict):
-            leaves.update(_leaves(value, f"{prefix}{name}."))
-        else:
-            leaves[f"{prefix}{name}"] = value
-    return leaves
 
 
 def load_state(path: str | Path, device: str = "cpu", config: Optional[Config] = None) -> Any:

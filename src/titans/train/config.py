@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal, Optional
 
 from pydantic import Field, PositiveInt, model_validator
 
-from ..config import Config, FromList, apply_overrides, read_yaml_mapping
+from ..config import Config, FromList, apply_overrides, dotted_fields, read_yaml_mapping
 from ..models.config import TitansConfig, nest_flat_fields, with_earlier_defaults
 from ..tasks import Task, get_task
 from .precision import Precision
@@ -133,19 +133,9 @@ class TrainConfig(Config):
         return Path(parent) / self.run_name
 
 
-def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    flat = {}
-    for key, value in data.items():
-        if isinstance(value, dict) and key != "options":
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
-
-
 def resume_mismatches(saved: TrainConfig, current: TrainConfig) -> list[str]:
     """The dotted fields (`model.dim (16 -> 32)`) in which `current` may not differ from the run it resumes."""
-    old, new = _flatten(saved.to_dict()), _flatten(current.to_dict())
+    old, new = (dotted_fields(c.to_dict(), opaque=frozenset({"options"})) for c in (saved, current))
     return [f"{key} ({old.get(key)!r} -> {new.get(key)!r})" for key in sorted(old.keys() | new.keys())
             if key not in RESUMABLE_CHANGES and old.get(key) != new.get(key)]
 
