@@ -13,10 +13,11 @@ from titans.experiments.spec import model_field
 from titans.layers import states_trusted, trusted_states
 from titans.layers.attention import reference_window_attention
 from titans.memory import NeuralMemory
-from titans.models import VARIANTS, load_state, sample_next, save_state, state_io
+from titans.io import state as state_io
+from titans.models import VARIANTS, load_state, sample_next, save_state
 from titans.models.config import FLAT_MEMORY_FIELDS, MAC_SWITCHES, UNREAD_FIELDS, unread_fields
-from titans.models.pretrained import FORMAT_VERSION
-from titans.models.state_io import _flatten
+from titans.io.pretrained import FORMAT_VERSION
+from titans.io.state import _flatten
 from titans.train.config import OptimConfig
 from titans.train.loop import make_optimizer
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from titans.models.state_io import state_nodes
+from titans.io.state import state_nodes
 from titans.train import Trainer, load_train_config
 from titans.train.batches import TRAIN_STREAM, sample_rows
 from titans.train.checkpoint import CARRIED_FILE, list_checkpoints

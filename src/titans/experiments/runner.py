@@ -42,7 +42,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from ..models.state_io import staged_writes
+from ..io.state import staged_writes
 from ..train.config import TrainConfig
 from ..train.loop import checked_tasks
 from .runs import (

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..models.config import unread_fields, without_fields
-from ..models.state_io import staged_writes
+from ..io.state import staged_writes
 from ..train.config import TrainConfig, saved_train_dict
 from .spec import Run
 

@@ -3,7 +3,7 @@
 from .config import TITANS_VARIANTS, VARIANTS, TitansConfig
 from .decode import StaticDecoder
 from .lm import MIXERS, Backbone, TitansLM, sample_next
-from .state_io import load_state, save_state
+from ..io.state import load_state, save_state
 
 __all__ = ["VARIANTS", "TITANS_VARIANTS", "TitansConfig", "MIXERS", "Backbone", "TitansLM", "sample_next", "load_state",
            "save_state", "StaticDecoder"]

@@ -33,8 +33,7 @@ from .lmm import build_lmm_mixer
 from .mac import build_mac_mixer
 from .mag import build_mag_mixer
 from .mal import build_mal_mixer
-from .pretrained import config_to_saved, saved_to_config
-from .state_io import staged_writes
+from ..io.state import staged_writes
 
 MIXERS: dict[str, Callable[[TitansConfig], nn.Module]] = {
     "lmm": build_lmm_mixer,
@@ -242,8 +241,8 @@ class TitansLM(nn.Module):
         return (out, state) if return_state else out
 
     def save_pretrained(self, directory: Union[str, Path], overwrite: bool = False) -> None:
-        """Write `config.json` (the layout in `pretrained.py`, which Hugging Face's `AutoModelForCausalLM` reads after
-        `import titans.hf`) and `model.safetensors` into `directory` (created if needed).
+        """Write `config.json` (the layout in `io/pretrained.py`, which Hugging Face's `AutoModelForCausalLM` reads
+        after `import titans.io.hf`) and `model.safetensors` into `directory` (created if needed).
 
         A directory that already holds a saved model is refused unless `overwrite`; other files in it are left
         alone. Both files are written under temporary names first and renamed once both are complete, so a save that
@@ -255,13 +254,15 @@ class TitansLM(nn.Module):
         if not overwrite and any((directory / name).exists() for name in names):
             raise ValueError(f"{directory} already holds a saved model; pass overwrite=True to replace it")
         directory.mkdir(parents=True, exist_ok=True)
+        from ..io.pretrained import config_to_saved  # (io.pretrained imports models.config: here, not at the top)
+
         with staged_writes(*(directory / name for name in names)) as (config_file, weights_file):
             config_file.write_text(json.dumps(config_to_saved(self.config), indent=2))
             save_model(self, str(weights_file))
 
     @classmethod
     def from_pretrained(cls, directory: Union[str, Path], device: str = "cpu") -> "TitansLM":
-        """Load a model that `save_pretrained`, `titans export` or `titans.hf` (Hugging Face) saved."""
+        """Load a model that `save_pretrained`, `titans export` or `titans.io.hf` (Hugging Face) saved."""
         directory = Path(directory)
         config_path, weights_path = directory / "config.json", directory / "model.safetensors"
         for p in (config_path, weights_path):
@@ -271,6 +272,8 @@ class TitansLM(nn.Module):
             data = json.loads(config_path.read_text(), object_pairs_hook=_unique_keys)
         except ValueError as err:  # malformed JSON, or a key given twice
             raise ValueError(f"{config_path} is not valid JSON: {err}") from None
+        from ..io.pretrained import saved_to_config  # (as in save_pretrained)
+
         config = saved_to_config(data, str(config_path))
         try:
             with safe_open(str(weights_path), framework="pt") as f:  # the saved dtype, from an empty slice

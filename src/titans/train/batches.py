@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..models.state_io import detached
+from ..io.state import detached
 from ..tasks import IGNORE_INDEX, LabelBatch, Task, TokenBatch
 from ..tasks.base import Batch
 from .precision import autocast

@@ -32,7 +32,7 @@ from safetensors.torch import load_model, save_model
 from torch import nn
 
 from ..config import read_yaml_mapping
-from ..models.state_io import load_state, save_state
+from ..io.state import load_state, save_state
 from .config import TrainConfig, load_train_config, saved_train_dict
 
 RUN_MARKER = ".titans-run"

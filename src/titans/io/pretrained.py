@@ -1,4 +1,4 @@
-"""The `config.json` of a saved model: one layout, read by `TitansLM.from_pretrained` and by `titans.hf`.
+"""The `config.json` of a saved model: one layout, read by `TitansLM.from_pretrained` and by `titans.io.hf`.
 
     {"model_type": "titans", "titans_format_version": 4, "titans": {<every TitansConfig field>}}
 
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .config import TitansConfig, with_earlier_defaults
+from ..models.config import TitansConfig, with_earlier_defaults
 
 MODEL_TYPE = "titans"
 FORMAT_VERSION = 4  # raise it with every TitansConfig field added (see the module docstring)
