@@ -16,8 +16,8 @@ transformers = pytest.importorskip("transformers", reason="the hf extra (transfo
 import titans.hf  # noqa: E402, F401  (registers the auto classes)
 from titans import TitansConfig, TitansLM  # noqa: E402
 from titans.hf import TitansCache, TitansForCausalLM, TitansHFConfig  # noqa: E402
-from titans.models.config import FLAT_MEMORY_FIELDS  # noqa: E402
 from titans.io.pretrained import FORMAT_VERSION  # noqa: E402
+from titans.models.config import FLAT_MEMORY_FIELDS  # noqa: E402
 
 AutoConfig, AutoModelForCausalLM = transformers.AutoConfig, transformers.AutoModelForCausalLM
 TINY = dict(vocab_size=32, dim=16, depth=2, heads=2, chunk_size=4, segment_len=8, window=8, memory_expansion=2,

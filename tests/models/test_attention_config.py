@@ -10,8 +10,8 @@ import yaml
 
 from titans import TitansConfig, TitansLM
 from titans.experiments.spec import merge, model_field
-from titans.models.config import FLAT_ATTENTION_FIELDS, AttentionConfig, nest_flat_fields, with_earlier_defaults
 from titans.io.pretrained import FORMAT_VERSION
+from titans.models.config import FLAT_ATTENTION_FIELDS, AttentionConfig, nest_flat_fields, with_earlier_defaults
 from titans.train.checkpoint import load_checkpoint_config
 from titans.train.config import load_train_config
 

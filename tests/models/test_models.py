@@ -10,14 +10,14 @@ from torch import nn
 
 from titans import TitansConfig, TitansLM
 from titans.experiments.spec import model_field
+from titans.io import state as state_io
+from titans.io.pretrained import FORMAT_VERSION
+from titans.io.state import _flatten
 from titans.layers import states_trusted, trusted_states
 from titans.layers.attention import reference_window_attention
 from titans.memory import NeuralMemory
-from titans.io import state as state_io
 from titans.models import VARIANTS, load_state, sample_next, save_state
 from titans.models.config import FLAT_MEMORY_FIELDS, MAC_SWITCHES, UNREAD_FIELDS, unread_fields
-from titans.io.pretrained import FORMAT_VERSION
-from titans.io.state import _flatten
 from titans.train.config import OptimConfig
 from titans.train.loop import make_optimizer
 

@@ -30,9 +30,9 @@ import torch
 from torch import Tensor
 
 from ..config import apply_overrides
+from ..io.state import detached, state_nodes
 from ..memory.layer import MemoryState, NeuralMemory
 from ..models.config import TITANS_VARIANTS
-from ..io.state import detached, state_nodes
 from ..tasks import Task
 from ..train.batches import DROPOUT_STREAM, TRAIN_STREAM, derive_seed, position_loss, sample_rows, scored_positions
 from ..train.checkpoint import checkpoint_step, load_checkpoint_config, load_weights, resolve_checkpoint

@@ -15,8 +15,8 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
-from ..models.config import unread_fields, without_fields
 from ..io.state import staged_writes
+from ..models.config import unread_fields, without_fields
 from ..train.config import TrainConfig, saved_train_dict
 from .spec import Run
 

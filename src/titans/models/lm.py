@@ -22,6 +22,7 @@ from safetensors.torch import load_model, save_model
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from ..io.state import staged_writes
 from ..layers import RMSNorm, trusted_states
 from ..memory.checks import checks_values
 from ..memory.parallel import COMPILED_GRAPHS, compile_unavailable
@@ -33,7 +34,6 @@ from .lmm import build_lmm_mixer
 from .mac import build_mac_mixer
 from .mag import build_mag_mixer
 from .mal import build_mal_mixer
-from ..io.state import staged_writes
 
 MIXERS: dict[str, Callable[[TitansConfig], nn.Module]] = {
     "lmm": build_lmm_mixer,
