@@ -277,8 +277,8 @@ def choose_tiles(geo: Geometry, dtype: torch.dtype, chunk_size: int = 16) -> Til
     element per thread keeps every product within 255 registers. The forward kernel at chunks of up to 32 tokens gets
     an explicit ceiling of 255: without it ptxas held the default model memory's forward (64 × 256, chunk 16) to 128
     registers and spilled 212 bytes; with it, none. Both kernels compile for sm_90 and sm_80 without a spilled
-    register at chunks of up to 32 (tests/memory/test_triton.py reads ptxas's report); at 64 the backward's n × n
-    algebra spills (PERFORMANCE.md)."""
+    register at chunks of up to 32 (tests/memory/test_triton_compile.py reads ptxas's report); at 64 the backward
+    spills 64 bytes (it was 880 before its n × n matrices moved to the scratch)."""
     return Tiles(16, 16, 8, 1, 255 if _pow2(chunk_size) <= 32 else None)
 
 
@@ -415,7 +415,7 @@ def _step(theta_raw, D, E_last, aa_b, dd_b, rows, last, max_grad_norm,
 
 @triton.jit
 def _queries(wb, sb, FW, fidx, h_b, a_b, dl_b, r_b, hw_b, hs_b, ha_b, y_tok, scales_at, radii_ptr,
-             beta, c, C, u_w, u_m, beta_n, c_n, e_n, hidden_step, n_valid, rows, rk, rn,
+             beta, c, C_at, u_w, u_m, beta_n, c_n, e_n, hidden_step, n_valid, rows, rk, rn,
              D_IN: tl.constexpr, HID: tl.constexpr, D_OUT: tl.constexpr, DEPTH: tl.constexpr, IN_T: tl.constexpr,
              OUT_T: tl.constexpr, CHP: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr, ACT: tl.constexpr,
              RESIDUAL: tl.constexpr, UPDATE: tl.constexpr, RECORD: tl.constexpr, STATE_BOUND: tl.constexpr,
@@ -423,7 +423,8 @@ def _queries(wb, sb, FW, fidx, h_b, a_b, dl_b, r_b, hw_b, hs_b, ha_b, y_tok, sca
     """Pass C: the queries at W_t, r_i = β ⊙ h_i W_i⁰ + c ⊙ h_i S_i⁰ − (C ⊙ h_i a_iᵀ) ρ_i δ_i, h_{i+1} = σ(r_i), y = r_L
     (+ q); with UPDATE the state after the chunk in place in the same tile loop (each tile read and written once):
     W' = β_n W⁰ + c_n S⁰ − a_iᵀ (C[n,:] ⊙ ρ_i δ_i), S' = e_n S⁰ − a_iᵀ (u_m ⊙ ρ_i δ_i), with its norms for the bounded
-    state. Returns the factors of the state as it now stands (FW: W_i at i, S_i at 4 + i)."""
+    state. C is read from the scratch at C_at. Returns the factors of the state as it now stands (FW: W_i at i, S_i
+    at 4 + i)."""
     valid = (rows < n_valid)[:, None]
     for i in range(DEPTH):
         W_IN = D_IN + (HID - D_IN) * (i > 0)
@@ -442,7 +443,7 @@ def _queries(wb, sb, FW, fidx, h_b, a_b, dl_b, r_b, hw_b, hs_b, ha_b, y_tok, sca
                       tl.trans(_ld(a_b + IN_OFF, rows, kk, CHP, W_IN, IN_T, DT)), PREC)
         if RECORD:
             _st(ha_b + i * CHP * CHP, ha, rows, rows, CHP, CHP, CHP)
-        cha = C * ha
+        cha = _ld(C_at, rows, rows, CHP, CHP, CHP, DT) * ha  # (C read from the scratch: one n × n fewer held)
         norm_w = 0.0
         norm_s = 0.0
         for jo in range(0, (W_OUT + BN - 1) // BN):
@@ -613,8 +614,11 @@ def _forward_kernel(
         u_w = _row(C, rows, last)
         beta_n = _entry(beta, rows, last)
         c_n = _entry(c, rows, last)
+        tl.debug_barrier()  # the Gram matrices are read: C takes the first one's place, and _queries reads it there
+        _st(aa_b, C, rows, rows, CHP, CHP, CHP)
+        tl.debug_barrier()
         FW = _queries(wb, sb, FW, fidx, h_b, a_b, dl_b, dl_b, dl_b, dl_b, aa_b, y_ptr + tok * D_OUT,
-                      scales_ptr + (j * BH + bh) * (2 * DEPTH), radii_ptr, beta, c, C, u_w, u_m, beta_n, c_n, e_n,
+                      scales_ptr + (j * BH + bh) * (2 * DEPTH), radii_ptr, beta, c, aa_b, u_w, u_m, beta_n, c_n, e_n,
                       hidden_step, n_valid, rows, rk, rn, D_IN, HID, D_OUT, DEPTH, IN_T, OUT_T, CHP, BK, BN, ACT,
                       RESIDUAL, True, False, STATE_BOUND, PREC, PREC_STATE, DT)
     if STATE_BOUND:  # the end state as it stands: each matrix times its pending factor
@@ -627,7 +631,7 @@ def _backward_kernel(
     saved_w, saved_s, dy_ptr, dw_ptr, ds_ptr,
     dq_ptr, dk_ptr, dv_ptr, dtheta_ptr, dgate_ptr, dbeta_ptr, dc_ptr, dD_ptr, dE_last_ptr, de_last_ptr, scales_ptr,
     h_scr, a_scr, p_scr, dl_scr, e_scr, aa_scr, dd_scr, m_scr, r_scr, hw_scr, hs_scr, ha_scr,
-    da_scr, dr_scr, ddl_scr, dm_scr, dp_scr,
+    da_scr, dr_scr, ddl_scr, dm_scr, dp_scr, nn_scr,
     BH, seq, num_chunks, first_chunk, last_chunk,
     D_IN: tl.constexpr, HID: tl.constexpr, D_OUT: tl.constexpr, DEPTH: tl.constexpr, CH: tl.constexpr,
     CHP: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr, ACT: tl.constexpr, RESIDUAL: tl.constexpr,
@@ -672,6 +676,7 @@ def _backward_kernel(
     ddl_b = ddl_scr + bh * CHP * OUT_T
     dm_b = dm_scr + bh * CHP * OUT_T
     dp_b = dp_scr + bh * CHP * OUT_T
+    nn_b = nn_scr + bh * 4 * CHP * CHP  # C, M, C ⊙ h aᵀ, ∂C
     for step_back in range(0, last_chunk - first_chunk):
         j = last_chunk - 1 - step_back
         slot = (j - first_chunk) * BH + bh
@@ -699,14 +704,19 @@ def _backward_kernel(
                 True, PREC, DT)
         theta, scale, sq, norm, C, u_m = _step(theta_raw, D, E_last, aa_b, dd_b, rows, last, max_grad_norm, DEPTH,
                                                CHP, GRAD_BOUND, NORMALIZE, DT)
+        # At chunks of 64 an n × n matrix is 16 registers a thread, and holding the step's (D, K, C, θ's factors)
+        # through the layer loop spilled: C and the layer's M, C ⊙ h aᵀ and ∂C wait in the scratch for the tile loops
+        # that read them, and step 3 recomputes the gates and the step (tests/memory/test_triton_compile.py).
         u_w = _row(C, rows, last)
         beta_n = _entry(beta, rows, last)
         c_n = _entry(c, rows, last)
+        _st(nn_b, C, rows, rows, CHP, CHP, CHP)
+        tl.debug_barrier()
         _queries(wb, sb, ONES, fidx, h_b, a_b, dl_b, r_b, hw_b, hs_b, ha_b, dy_ptr, scales_ptr, params_ptr,
-                 beta, c, C, u_w, u_m, beta_n, c_n, e_n, hidden_step, n_valid, rows, rk, rn, D_IN, HID, D_OUT,
+                 beta, c, nn_b, u_w, u_m, beta_n, c_n, e_n, hidden_step, n_valid, rows, rk, rn, D_IN, HID, D_OUT,
                  DEPTH, IN_T, OUT_T, CHP, BK, BN, ACT, RESIDUAL, False, True, False, PREC, PREC_STATE, DT)
         # --- 1–2. the state update and the queries, last layer first ---------------------------------------------
-        d_C = tl.zeros([CHP, CHP], DT)
+        _st(nn_b + 3 * CHP * CHP, tl.zeros([CHP, CHP], DT), rows, rows, CHP, CHP, CHP)  # ∂C
         d_u_w = tl.zeros([CHP], DT)
         d_u_m = tl.zeros([CHP], DT)
         d_beta = tl.zeros([CHP], DT)
@@ -738,11 +748,15 @@ def _backward_kernel(
                 d_beta += tl.sum(dr * _ld(hw_b + OUT_OFF, rows, cols, CHP, W_OUT, OUT_T, DT), 1)
                 d_c += tl.sum(dr * _ld(hs_b + OUT_OFF, rows, cols, CHP, W_OUT, OUT_T, DT), 1)
             ha = _ld(ha_b + i * CHP * CHP, rows, rows, CHP, CHP, CHP, DT)
-            d_C -= r_d * ha
-            M = C * r_d
-            cha = C * ha
+            _st(nn_b + 3 * CHP * CHP, _ld(nn_b + 3 * CHP * CHP, rows, rows, CHP, CHP, CHP, DT) - r_d * ha, rows, rows,
+                CHP, CHP, CHP)
+            C = _ld(nn_b, rows, rows, CHP, CHP, CHP, DT)
+            _st(nn_b + CHP * CHP, C * r_d, rows, rows, CHP, CHP, CHP)  # M
+            _st(nn_b + 2 * CHP * CHP, C * ha, rows, rows, CHP, CHP, CHP)
+            tl.debug_barrier()
             for ji in range(0, (W_IN + BK - 1) // BK):  # ∂a = −Mᵀ h, the rest added tile by tile below
                 kk = ji * BK + rk
+                M = _ld(nn_b + CHP * CHP, rows, rows, CHP, CHP, CHP, DT)
                 _st(da_b + IN_OFF, -_mm(tl.trans(M), _ld(h_b + IN_OFF, rows, kk, CHP, W_IN, IN_T, DT), PREC), rows,
                     kk, CHP, W_IN, IN_T)
             tl.debug_barrier()
@@ -778,6 +792,7 @@ def _backward_kernel(
                     d_c_n += tl.sum(tl.sum(s * dwn, 1), 0)
                 a_ds, a_dw = _unpair(a_d)
                 # ∂(ρδ) = −(u_w ⊙ a ∂W' + u_m ⊙ a ∂S') − (C ⊙ h aᵀ)ᵀ ∂r, then ρ: the gradient of δ_i
+                cha = _ld(nn_b + 2 * CHP * CHP, rows, rows, CHP, CHP, CHP, DT)
                 d_step = -(u_w[:, None] * a_dw + u_m[:, None] * a_ds) - _mm(tl.trans(cha), dr, PREC)
                 _st(ddl_b + OUT_OFF, d_step * rho, rows, cols, CHP, W_OUT, OUT_T)
                 d_u_w -= tl.sum(a_dw * st, 1)
@@ -787,6 +802,7 @@ def _backward_kernel(
             # (∂h ⊙ σ'(r_{i−1})) or ∂q.
             for ji in range(0, (W_IN + BK - 1) // BK):
                 kk = ji * BK + rk
+                M = _ld(nn_b + CHP * CHP, rows, rows, CHP, CHP, CHP, DT)
                 dh = -_mm(M, _ld(a_b + IN_OFF, rows, kk, CHP, W_IN, IN_T, DT), PREC)
                 for jo in range(0, (W_OUT + BN - 1) // BN):
                     cols = jo * BN + rn
@@ -806,7 +822,13 @@ def _backward_kernel(
                     _st(dq_ptr + tok * D_IN, dh, rows, kk, n_valid, D_IN, D_IN)
             tl.debug_barrier()
         # --- 3. θ: C = D diag(θ) (⊙ K), u_w = C[n,:], u_m = θ ⊙ E[n,:] (⊙ K[n,:]), θ = θ_raw · min(1, c/‖∇ℓ‖) -------
-        d_C += tl.where(rows[:, None] == last, d_u_w[None, :], 0.0)
+        d_C = _ld(nn_b + 3 * CHP * CHP, rows, rows, CHP, CHP, CHP, DT) + tl.where(rows[:, None] == last, d_u_w[None, :],
+                                                                                   0.0)
+        theta_raw, gamma, _, _, D, E_last, _, _ = _chunk_gates(
+            theta_ptr, gate_ptr, beta_ptr, c_ptr, D_ptr, E_last_ptr, e_last_ptr, bh, j, seq, num_chunks, rows,
+            loss_delta, CH, GATED, DT)
+        theta, scale, sq, norm, _, _ = _step(theta_raw, D, E_last, aa_b, dd_b, rows, last, max_grad_norm, DEPTH, CHP,
+                                             GRAD_BOUND, NORMALIZE, DT)
         if NORMALIZE:  # K is a constant to the outer gradient
             d_C = d_C * norm
             d_u_m = d_u_m * _row(norm, rows, last)
@@ -893,9 +915,10 @@ def _backward_kernel(
             ph_w = _entry(PHI, fidx, i)
             for ji in range(0, (W_IN + BK - 1) // BK):
                 kk = ji * BK + rk
-                # hᵀ (β ⊙ ∂r) + aᵀ ∂p as one product: the two left factors side by side along the chunk's rows
-                ha_t = _pair(tl.trans(_ld(h_b + IN_OFF, rows, kk, CHP, W_IN, IN_T, DT)),
-                             tl.trans(_ld(a_b + IN_OFF, rows, kk, CHP, W_IN, IN_T, DT)))
+                # hᵀ (β ⊙ ∂r) + aᵀ ∂p as two products: paired, their inner dimension would be 2n, and a float32
+                # product on the FMA units holds a row and a column of that length per thread (at n = 64, 256 registers)
+                h_t = tl.trans(_ld(h_b + IN_OFF, rows, kk, CHP, W_IN, IN_T, DT))
+                a_t = tl.trans(_ld(a_b + IN_OFF, rows, kk, CHP, W_IN, IN_T, DT))
                 # ∂m_{i−1} (zeros for the first layer, which has none)
                 dm_t = tl.trans(_ld(dm_b + PREV_OFF, rows, kk, CHP, W_IN * (i > 0), OUT_T, DT))
                 acc = _ld(da_b + IN_OFF, rows, kk, CHP, W_IN, IN_T, DT)
@@ -910,8 +933,7 @@ def _backward_kernel(
                         dr = _ld(dr_b + OUT_OFF, rows, cols, CHP, W_OUT, OUT_T, DT)
                     dwn = _ld(dwb + ST, kk, cols, W_IN, W_OUT, W_OUT, DT) * ph_w
                     d_beta_n += tl.sum(tl.sum(w * dwn, 1), 0)  # ∂β_n = Σ ⟨W⁰, ∂W'⟩
-                    right = tl.trans(_pair(tl.trans(beta[:, None] * dr), tl.trans(dp)))
-                    dw0 = beta_n * dwn + _mm(ha_t, right, PREC_STATE)
+                    dw0 = beta_n * dwn + _mm(h_t, beta[:, None] * dr, PREC_STATE) + _mm(a_t, dp, PREC_STATE)
                     if i > 0:
                         dw0 += _mm(dm_t, _ld(dl_b + OUT_OFF, rows, cols, CHP, W_OUT, OUT_T, DT), PREC_STATE)
                     _st(dwb + ST, dw0, kk, cols, W_IN, W_OUT, W_OUT)
@@ -1047,6 +1069,7 @@ class BackwardScratch(NamedTuple):
     ddl: Tensor
     dm: Tensor
     dp: Tensor
+    nn: Tensor  # the chunk's n × n matrices C, M, C ⊙ h aᵀ, ∂C (the kernel's comment says why not in registers)
 
 
 def _scratch(geo: Geometry, bh: int, chp: int, like: Tensor) -> Scratch:
@@ -1063,7 +1086,8 @@ def _backward_scratch(geo: Geometry, bh: int, chp: int, like: Tensor) -> Backwar
 
     return BackwardScratch(out_family(), out_family(), out_family(), out_family(),
                            like.new_zeros((bh, geo.depth, chp, chp)), like.new_zeros((bh, chp, geo.in_total)),
-                           out_family(), out_family(), out_family(), out_family())
+                           out_family(), out_family(), out_family(), out_family(),
+                           like.new_zeros((bh, 4, chp, chp)))
 
 
 def _run_forward(launch: Launch, q, k, v, theta, gate, dec: ChunkDecays, w, s, saved: Optional[list[Tensor]],
