@@ -16,7 +16,6 @@ CLI = ("titans.cli", "titans.commands")
 KNOWN_LONG = {  # the memory's functional core: q, k, v, the gates and the state, one by one
     "titans.memory.state_ops:combine": 15, "titans.memory.state_ops:combine_reference": 15,
     "titans.memory.parallel:parallel_memory": 13, "titans.memory.reference:sequential_memory": 11,
-    "titans.models.encoder:__init__": 12,
 }
 
 

@@ -28,26 +28,26 @@ from .lm import Backbone, State
 class TitansEncoder(nn.Module):
     """`forward(x [B, T, embed_dim], state=None) -> (last hidden state [B, hidden_size], state)`."""
 
-    def __init__(self, embed_dim: int, hidden_size: int = 64, memory_size: Optional[int] = None, num_layers: int = 2,
-                 dropout: float = 0.0, momentum: bool = True, window_size: int = 32, variant: str = "mag",
-                 heads: int = 4, chunk_size: int = 8, config: Optional[TitansConfig] = None, **config_overrides: Any):
+    def __init__(self, embed_dim: int, config: Optional[TitansConfig] = None, **options: Any):
+        """`embed_dim` features per step in; the model either as a whole `config`, or as the encoder's options by
+        name (`config_from_options`: hidden_size, memory_size, num_layers, dropout, momentum, window_size, variant,
+        heads, chunk_size, with their defaults there) and any TitansConfig field as an override."""
         super().__init__()
         if embed_dim < 1:
             raise ValueError(f"embed_dim must be >= 1, got {embed_dim}")
         if config is None:
-            config = self.config_from_options(hidden_size, memory_size, num_layers, dropout, momentum, window_size,
-                                              variant, heads, chunk_size, **config_overrides)
-        elif config_overrides:
-            raise ValueError(f"pass either a config or option overrides, not both (got {sorted(config_overrides)})")
+            config = self.config_from_options(**options)
+        elif options:
+            raise ValueError(f"pass either a config or option overrides, not both (got {sorted(options)})")
         self.config = config
         self.embed_dim, self.hidden_size = embed_dim, config.dim
         self.input_proj = nn.Linear(embed_dim, config.dim)
         self.backbone = Backbone(config)
 
     @staticmethod
-    def config_from_options(hidden_size: int, memory_size: Optional[int], num_layers: int, dropout: float,
-                            momentum: bool, window_size: int, variant: str, heads: int, chunk_size: int,
-                            **config_overrides: Any) -> TitansConfig:
+    def config_from_options(hidden_size: int = 64, memory_size: Optional[int] = None, num_layers: int = 2,
+                            dropout: float = 0.0, momentum: bool = True, window_size: int = 32, variant: str = "mag",
+                            heads: int = 4, chunk_size: int = 8, **config_overrides: Any) -> TitansConfig:
         """The TitansConfig the encoder options stand for (errors name the encoder's option)."""
         for name, value in (("hidden_size", hidden_size), ("num_layers", num_layers), ("window_size", window_size),
                             ("heads", heads)):
