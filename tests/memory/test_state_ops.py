@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from titans.memory import MemoryRule, parallel_memory, state_ops
+from titans.memory.state_ops import Momentum, Wanted
 
 needs_kernels = pytest.mark.skipif(state_ops.state_kernels() is None,
                                    reason="state kernels unavailable here (no AVX-512 or no C++ compiler)")
@@ -44,7 +45,7 @@ def test_combine_matches_its_reference(shape):
     beta, c = torch.rand(B), torch.rand(B, 1)  # any shape with one value per batch element
     P = torch.randn(B, K, N)
     out = torch.full_like(W, float("nan"))  # every element must be written
-    dots = state_ops.combine(out, W, beta, A, G, -0.7, S=S, c=c, dots_with=P).dots
+    dots = state_ops.combine(out, W, beta, A, G, -0.7, Momentum(S, c), Wanted(dots_with=P)).dots
     exact = (beta.double().view(-1, 1, 1) * W.double() + c.double().view(-1, 1, 1) * S.double()
              - 0.7 * A.double().transpose(1, 2) @ G.double())
     assert rel_err(out, exact) < 1e-5
@@ -53,7 +54,7 @@ def test_combine_matches_its_reference(shape):
     # Both forward updates from one pass: W' = β W + c S − Aᵀ G and S' = e S − Aᵀ G2.
     e, G2 = torch.rand(B), torch.randn(B, n, N)
     out, out2 = torch.full_like(W, float("nan")), torch.full_like(W, float("nan"))
-    state_ops.combine(out, W, beta, A, G, -1.0, S=S, c=c, out2=out2, e=e, G2=G2)
+    state_ops.combine(out, W, beta, A, G, -1.0, Momentum(S, c, out2, e, G2))
     exact2 = e.double().view(-1, 1, 1) * S.double() - A.double().transpose(1, 2) @ G2.double()
     exact = (beta.double().view(-1, 1, 1) * W.double() + c.double().view(-1, 1, 1) * S.double()
              - A.double().transpose(1, 2) @ G.double())
@@ -61,7 +62,7 @@ def test_combine_matches_its_reference(shape):
     # In place, without S: the backward pass's W ← β W + Aᵀ G, with ⟨P, W⟩ of W before the update.
     exact = beta.double().view(-1, 1, 1) * W.double() + A.double().transpose(1, 2) @ G.double()
     dot_before = (P.double() * W.double()).sum((1, 2))
-    dots = state_ops.combine(W, W, beta, A, G, 1.0, dots_with=P).dots
+    dots = state_ops.combine(W, W, beta, A, G, 1.0, wanted=Wanted(dots_with=P)).dots
     assert rel_err(W, exact) < 1e-5
     assert rel_err(dots[:, 0], dot_before) < 1e-5 and (dots[:, 1] == 0).all()
     assert state_ops.combine(W, W, beta, A, G, 1.0) == (None,) * 5
@@ -82,7 +83,7 @@ def test_combine_returns_the_products_of_its_inputs(shape, rows):
     d = {name: t.double() for name, t in dict(W=W, S=S, P=P, Q=Q, A=A, G=G, G2=G2, x=x).items()}
     b_, c_, e_ = (t.double().view(-1, 1, 1) for t in (beta, c, e))
     out, out2 = torch.full_like(W, float("nan")), torch.full_like(W, float("nan"))
-    reads = state_ops.combine(out, W, beta, A, G, -1.0, S=S, c=c, out2=out2, e=e, G2=G2, x=x)
+    reads = state_ops.combine(out, W, beta, A, G, -1.0, Momentum(S, c, out2, e, G2), Wanted(x=x))
     assert rel_err(out, b_ * d["W"] + c_ * d["S"] - d["A"].transpose(1, 2) @ d["G"]) < 1e-5
     assert rel_err(out2, e_ * d["S"] - d["A"].transpose(1, 2) @ d["G2"]) < 1e-5
     assert rel_err(reads.xW, d["x"] @ d["W"]) < 1e-5 and rel_err(reads.xS, d["x"] @ d["S"]) < 1e-5
@@ -94,7 +95,7 @@ def test_combine_returns_the_products_of_its_inputs(shape, rows):
                    gt[2].double() @ d["P"].transpose(1, 2) + gt[3].double() @ d["Q"].transpose(1, 2))
     W_in_place = W.clone()
     for target, source in ((torch.full_like(W, float("nan")), W), (W_in_place, W_in_place)):
-        reads = state_ops.combine(target, source, beta, A, G, 1.0, S=S, c=c, dots_with=P, x=x, gt=gt, Q=Q)
+        reads = state_ops.combine(target, source, beta, A, G, 1.0, Momentum(S, c), Wanted(P, x, gt, Q))
         assert rel_err(target, exact) < 1e-5
         for got, want in zip(reads, exact_reads):
             assert rel_err(got, want) < 1e-5
@@ -103,10 +104,10 @@ def test_combine_returns_the_products_of_its_inputs(shape, rows):
 def test_combine_refuses_products_it_cannot_form():
     W, A, G = torch.randn(1, 16, 32), torch.randn(1, 16, 16), torch.randn(1, 16, 32)
     with pytest.raises(ValueError, match="x needs S"):
-        state_ops.combine(torch.empty_like(W), W, torch.ones(1), A, G, 1.0, x=A)
+        state_ops.combine(torch.empty_like(W), W, torch.ones(1), A, G, 1.0, wanted=Wanted(x=A))
     with pytest.raises(ValueError, match="gt .* and Q go together"):
-        state_ops.combine(torch.empty_like(W), W, torch.ones(1), A, G, 1.0, S=W, c=torch.ones(1), dots_with=W,
-                          gt=[G] * 4)
+        state_ops.combine(torch.empty_like(W), W, torch.ones(1), A, G, 1.0, Momentum(W, torch.ones(1)),
+                          Wanted(dots_with=W, gt=[G] * 4))
 
 
 @needs_kernels
@@ -121,7 +122,7 @@ def test_combine_reads_blocks_of_rows_in_place(with_second):
     G2 = [torch.randn(B, N + 16, m).transpose(1, 2)[:, :, :N].contiguous() for m in heights] if with_second else None
     W, S, beta, c, e = torch.randn(B, K, N), torch.randn(B, K, N), torch.rand(B), torch.rand(B), torch.rand(B)
     out, out2 = torch.full_like(W, float("nan")), torch.full_like(W, float("nan")) if with_second else None
-    state_ops.combine(out, W, beta, A, G, 0.5, S=S, c=c, out2=out2, e=e if with_second else None, G2=G2)
+    state_ops.combine(out, W, beta, A, G, 0.5, Momentum(S, c, out2, e if with_second else None, G2))
     At = torch.cat(A, 1).double().transpose(1, 2)
     exact = (beta.double().view(-1, 1, 1) * W.double() + c.double().view(-1, 1, 1) * S.double()
              + 0.5 * At @ torch.cat(G, 1).double())
@@ -172,13 +173,14 @@ def test_inputs_the_kernels_do_not_serve_take_the_reference(monkeypatch, case):
     torch.testing.assert_close(state_ops.xwt(g, W), g @ W.transpose(1, 2))
     beta = torch.rand(B, dtype=dtype)
     out, P = torch.empty(B, K, N, dtype=dtype), torch.randn(B, K, N, dtype=dtype)
-    dots = state_ops.combine(out, W, beta, A, g, 2.0, dots_with=P).dots
+    dots = state_ops.combine(out, W, beta, A, g, 2.0, wanted=Wanted(dots_with=P)).dots
     torch.testing.assert_close(out, beta.view(-1, 1, 1) * W + 2.0 * A.transpose(1, 2) @ g)
     torch.testing.assert_close(dots[:, 0], (P * W).sum((1, 2)))
     S, out2, e = torch.randn(B, K, N, dtype=dtype), torch.empty(B, K, N, dtype=dtype), torch.rand(B, dtype=dtype)
-    state_ops.combine(out, W, beta, A, g, -1.0, S=S, c=beta, out2=out2, e=e, G2=2 * g)
+    state_ops.combine(out, W, beta, A, g, -1.0, Momentum(S, beta, out2, e, 2 * g))
     torch.testing.assert_close(out2, e.view(-1, 1, 1) * S - 2.0 * A.transpose(1, 2) @ g)
-    reads = state_ops.combine(out, W, beta, A, g, 1.0, S=S, c=beta, dots_with=P, x=x, gt=[g, 2 * g, 3 * g, 4 * g], Q=W)
+    reads = state_ops.combine(out, W, beta, A, g, 1.0, Momentum(S, beta),
+                              Wanted(dots_with=P, x=x, gt=[g, 2 * g, 3 * g, 4 * g], Q=W))
     torch.testing.assert_close(reads.xW, x @ W)
     torch.testing.assert_close(reads.xS, x @ S)
     torch.testing.assert_close(reads.gWt, g @ W.transpose(1, 2) + 2 * g @ S.transpose(1, 2))

@@ -67,11 +67,34 @@ class Reads(NamedTuple):
     gPt: Optional[Tensor]  # g_P Pᵀ + g_Q Qᵀ
 
 
+class Momentum(NamedTuple):
+    """The momentum's part of a `combine`: `+ c S` in `out`, and with `out2` (e, G2) also `out2 = e S + α Aᵀ G2`
+    from the same reads of S."""
+
+    S: Tensor
+    c: Tensor
+    out2: Optional[Tensor] = None
+    e: Optional[Tensor] = None
+    G2: Optional[Rows] = None
+
+
+class Wanted(NamedTuple):
+    """The products a `combine` reads for its caller beside its writes (`Reads`): with `dots_with` P, ⟨P, W⟩ and
+    ⟨P, S⟩; with `x`, x W and x S; with `gt` = (g_W, g_S, g_P, g_Q) and Q, g_W Wᵀ + g_S Sᵀ and g_P Pᵀ + g_Q Qᵀ."""
+
+    dots_with: Optional[Tensor] = None
+    x: Optional[Tensor] = None
+    gt: Optional[Sequence[Tensor]] = None
+    Q: Optional[Tensor] = None
+
+
+NO_MOMENTUM = Momentum(None, None)  # type: ignore[arg-type]  (S and c absent: out = β W + α Aᵀ G)
+
+
 def combine_reference(out: Tensor, W: Tensor, beta: Tensor, A: Rows, G: Rows, alpha: float,
-                      S: Optional[Tensor] = None, c: Optional[Tensor] = None, dots_with: Optional[Tensor] = None,
-                      out2: Optional[Tensor] = None, e: Optional[Tensor] = None, G2: Optional[Rows] = None,
-                      x: Optional[Tensor] = None, gt: Optional[Sequence[Tensor]] = None,
-                      Q: Optional[Tensor] = None) -> Reads:
+                      momentum: Momentum = NO_MOMENTUM, wanted: Wanted = Wanted()) -> Reads:
+    S, c, out2, e, G2 = momentum
+    dots_with, x, gt, Q = wanted
     A, G, G2 = (torch.cat(t, 1) if isinstance(t, (list, tuple)) else t for t in (A, G, G2))
     # Everything read from W and S before `out` (which may be W) is written.
     dots = xW = xS = gWt = gPt = None
@@ -251,7 +274,7 @@ def update_state(new: Pair, state: Pair, decay: tuple[Tensor, Tensor, Tensor], a
     per-token coefficient rows (u_w ⊙ δ, u_m ⊙ δ). From the same pass over W and S it returns the queries' reads
     (h W, h S) of step 3, taken before the writes."""
     beta_n, c_n, e_n = decay
-    reads = combine(new.W, state.W, beta_n, a, steps.W, -1.0, S=state.S, c=c_n, out2=new.S, e=e_n, G2=steps.S, x=h)
+    reads = combine(new.W, state.W, beta_n, a, steps.W, -1.0, Momentum(state.S, c_n, new.S, e_n, steps.S), Wanted(x=h))
     return Pair(reads.xW, reads.xS)
 
 
@@ -274,32 +297,32 @@ def momentum_grad(out: Tensor, d_new: Pair, state: Pair, decay: tuple[Tensor, Te
     product of those four matrices that the chunk's backward pass needs."""
     c_n, e_n = decay
     update, query = rows
-    reads = combine(out, d_new.S, e_n, h, query.S, 1.0, S=d_new.W, c=c_n, dots_with=state.S, x=a,
-                    gt=(update.S, update.W, query.S, query.W), Q=state.W)
+    reads = combine(out, d_new.S, e_n, h, query.S, 1.0, Momentum(d_new.W, c_n),
+                    Wanted(dots_with=state.S, x=a, gt=(update.S, update.W, query.S, query.W), Q=state.W))
     return MomentumGrad(reads.dots[:, 0], reads.dots[:, 1], reads.xW, reads.xS, reads.gWt, reads.gPt)
 
 
 def weight_grad(out: Tensor, d_new_W: Tensor, beta_n: Tensor, left: Rows, right: Rows, W: Tensor) -> Tensor:
     """The backward pass's ∂W⁰ = β_n ∂W' + Σ_j L_jᵀ R_j into `out` (its rank-n terms, as blocks of rows read in
     place), returning ∂β_n = ⟨W, ∂W'⟩ from the same pass."""
-    return combine(out, d_new_W, beta_n, left, right, 1.0, dots_with=W).dots[:, 0]
+    return combine(out, d_new_W, beta_n, left, right, 1.0, wanted=Wanted(dots_with=W)).dots[:, 0]
 
 
-def combine(out: Tensor, W: Tensor, beta: Tensor, A: Rows, G: Rows, alpha: float,
-            S: Optional[Tensor] = None, c: Optional[Tensor] = None, dots_with: Optional[Tensor] = None,
-            out2: Optional[Tensor] = None, e: Optional[Tensor] = None, G2: Optional[Rows] = None,
-            x: Optional[Tensor] = None, gt: Optional[Sequence[Tensor]] = None, Q: Optional[Tensor] = None) -> Reads:
+def combine(out: Tensor, W: Tensor, beta: Tensor, A: Rows, G: Rows, alpha: float, momentum: Momentum = NO_MOMENTUM,
+            wanted: Wanted = Wanted()) -> Reads:
     """`out = β W (+ c S) + α Aᵀ G` with per-batch β, c (one value per batch element, any shape), A `[batch, n, K]`,
     G `[batch, n, N]`, each a tensor or a list of blocks of its rows (block j of A and of G with the same rows: the
-    blocks are read in place, not concatenated); `out` may be W. With `out2` (and S), also `out2 = e S + α Aᵀ G2`
-    from the same reads of S (the forward pass's W' and S').
+    blocks are read in place, not concatenated); `out` may be W. With the momentum's term (`Momentum`: S, c), also
+    `+ c S`, and with its `out2`, `out2 = e S + α Aᵀ G2` from the same reads of S (the forward pass's W' and S').
 
     Every other product of the inputs that a chunk needs is taken from the same pass over them (one read of each
     state matrix instead of one per product), and returned as `Reads`, all of the inputs before any write:
     with `dots_with` P, the dots ⟨P, W⟩ and ⟨P, S⟩ (0 without S; the backward pass's ∂β_n, ∂c_n, ∂e_n); with `x`
     `[batch, m, K]` (needs S), `x W` and `x S` (the queries at the chunk's start); with `gt` = (g_W, g_S, g_P, g_Q),
     each `[batch, m, N]`, and Q (needs S and P), `g_W Wᵀ + g_S Sᵀ` and `g_P Pᵀ + g_Q Qᵀ` (the backward pass's ∂a
-    and ∂h)."""
+    and ∂h). Those are what `wanted` asks for."""
+    S, c, out2, e, G2 = momentum
+    dots_with, x, gt, Q = wanted
     if x is not None and S is None:
         raise ValueError("combine: x needs S")
     if (gt is None) != (Q is None) or (gt is not None and (S is None or dots_with is None or len(gt) != 4)):
@@ -311,7 +334,8 @@ def combine(out: Tensor, W: Tensor, beta: Tensor, A: Rows, G: Rows, alpha: float
     if (ops is None or not all(t is None or t.is_contiguous() for t in states)
             or any(g.stride(2) != 1 for g in G_ + (G2_ or []) + (gt_ or []))
             or (gt_ is not None and out2 is not None)):
-        return combine_reference(out, W, beta, A_, G_, alpha, S, c, dots_with, out2, e, G2_, x, gt_, Q)
+        return combine_reference(out, W, beta, A_, G_, alpha, Momentum(S, c, out2, e, G2_),
+                                 Wanted(dots_with, x, gt_, Q))
     factors = [t.reshape(-1) if t is not None else None for t in (beta, c, e)]
     dots, xW, xS, gWt, gPt = ops.combine(out, W, factors[0], S, factors[1], A_, G_, float(alpha), dots_with, out2,
                                          factors[2], G2_, x, gt_, Q)
