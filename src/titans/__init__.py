@@ -13,8 +13,9 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-_EXPORTS = {"MemoryRule": "memory", "MemoryState": "memory", "NeuralMemory": "memory", "parallel_memory": "memory",
-            "sequential_memory": "memory", "TitansConfig": "models", "TitansEncoder": "models", "TitansLM": "models"}
+_EXPORTS = {"Gates": "memory", "MemoryRule": "memory", "MemoryState": "memory", "NeuralMemory": "memory",
+            "parallel_memory": "memory", "sequential_memory": "memory", "TitansConfig": "models",
+            "TitansEncoder": "models", "TitansLM": "models"}
 __all__ = list(_EXPORTS)
 
 

@@ -9,9 +9,9 @@ import functools
 import pytest
 import torch
 
-from titans.memory import parallel, parallel_memory, sequential_memory
+from titans.memory import Gates, parallel, parallel_memory, sequential_memory
 
-from .test_functional import flat, make_inputs, max_diff, paper
+from .test_functional import flat, gated, make_inputs, max_diff, paper
 
 UNAVAILABLE = parallel.compile_unavailable("cpu")
 needs_inductor = pytest.mark.skipif(UNAVAILABLE is not None, reason=f"torch.compile cannot run here: {UNAVAILABLE}")
@@ -43,7 +43,7 @@ def test_compiled_chunk_step_matches_autograd_and_the_reference(monkeypatch, dep
                      ("reference", sequential_memory)):
         with monkeypatch.context() as patch:
             patch.setattr(parallel, "_chunk_step", counted_step)
-            y, W, S = fn(*args, rule=rule, chunk_size=4)
+            y, W, S = fn(*gated(args), rule=rule, chunk_size=4)
         loss = (y**2).sum() + sum((w**3).sum() for w in W) + sum(s.sum() for s in S)
         outs[name] = [y, *W, *S, *torch.autograd.grad(loss, flat(args))]
         if name == "compile":  # only the ragged chunk went through the uncompiled step
@@ -65,4 +65,4 @@ def test_compile_is_served_only_when_asked_for_and_where_it_can_run(monkeypatch)
         assert parallel.serving_implementation("compile", q, theta, alpha, weights) == "compile"
     monkeypatch.setattr(parallel, "compile_unavailable", lambda device: "no C++ compiler in this test")
     with pytest.raises(ValueError, match="implementation='compile' cannot serve this call: no C.. compiler"):
-        parallel_memory(q, k, v, theta, eta, alpha, weights, momentum, rule=paper(), implementation="compile")
+        parallel_memory(q, k, v, Gates(theta, eta, alpha), weights, momentum, rule=paper(), implementation="compile")

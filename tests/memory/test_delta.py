@@ -5,7 +5,7 @@ import itertools
 import pytest
 import torch
 
-from titans.memory import MemoryRule, delta_rule_memory, sequential_memory
+from titans.memory import Gates, MemoryRule, delta_rule_memory, sequential_memory
 
 from .test_functional import flat, make_inputs, max_diff, paper, with_grad
 
@@ -24,7 +24,8 @@ def delta_inputs(seq=21, seed=0, requires_grad=False):
 
 def token_by_token(q, k, v, theta, alpha, weights, residual):
     """Chunks of one token: every gradient at the weights the previous token left (η = 0: no momentum)."""
-    y, W, _ = sequential_memory(q, k, v, theta, torch.zeros_like(alpha), alpha, weights, rule=paper(residual=residual),
+    y, W, _ = sequential_memory(q, k, v, Gates(theta, torch.zeros_like(alpha), alpha), weights,
+                                rule=paper(residual=residual),
                                 chunk_size=1)
     return y, W
 

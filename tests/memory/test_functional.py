@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from titans.memory import MemoryRule, memory_apply, parallel_memory, sequential_memory
+from titans.memory import Gates, MemoryRule, memory_apply, parallel_memory, sequential_memory
 from titans.memory.decays import chunk_decays
 
 DT = torch.float64
@@ -36,6 +36,13 @@ def make_inputs(batch=2, heads=2, seq=21, dim=4, depth=2, hidden=8, seed=0, requ
     return with_grad(args) if requires_grad else args
 
 
+def gated(args, loss_gate=None):
+    """`make_inputs`' flat list (q, k, v, θ, η, α, weights[, momentum]) as the memory functions take it: the gates as
+    one `Gates`."""
+    q, k, v, theta, eta, alpha, *state = args
+    return [q, k, v, Gates(theta, eta, alpha, loss_gate), *state]
+
+
 def with_grad(args):
     """The arguments with requires_grad set on every tensor, also inside the weight and momentum tuples."""
     return [tuple(t.requires_grad_() for t in a) if isinstance(a, tuple) else a.requires_grad_() for a in args]
@@ -56,9 +63,9 @@ def max_diff(xs, ys):
 def test_parallel_equals_sequential(chunk_size, depth, activation, implementation):
     # seq 37 leaves a ragged last chunk for chunk sizes 3 and 16
     args = make_inputs(seq=37, depth=depth)
-    y_p, W_p, S_p = parallel_memory(*args, rule=paper(activation=activation), chunk_size=chunk_size,
+    y_p, W_p, S_p = parallel_memory(*gated(args), rule=paper(activation=activation), chunk_size=chunk_size,
                                     implementation=implementation)
-    y_s, W_s, S_s = sequential_memory(*args, rule=paper(activation=activation), chunk_size=chunk_size)
+    y_s, W_s, S_s = sequential_memory(*gated(args), rule=paper(activation=activation), chunk_size=chunk_size)
     assert y_p.shape == (2, 2, 37, 4)
     assert max_diff([y_p, *W_p, *S_p], [y_s, *W_s, *S_s]) <= 1e-10
 
@@ -67,8 +74,8 @@ def test_parallel_equals_sequential(chunk_size, depth, activation, implementatio
 def test_parallel_equals_sequential_without_residual_and_zero_momentum(residual, implementation):
     args = make_inputs(seq=19, depth=2)
     args[7] = None  # momentum starts at zero
-    out_p = parallel_memory(*args, rule=paper(residual=residual), chunk_size=4, implementation=implementation)
-    out_s = sequential_memory(*args, rule=paper(residual=residual), chunk_size=4)
+    out_p = parallel_memory(*gated(args), rule=paper(residual=residual), chunk_size=4, implementation=implementation)
+    out_s = sequential_memory(*gated(args), rule=paper(residual=residual), chunk_size=4)
     assert max_diff([out_p[0], *out_p[1], *out_p[2]], [out_s[0], *out_s[1], *out_s[2]]) <= 1e-10
 
 
@@ -84,8 +91,8 @@ def test_values_of_another_width_without_residual(depth, width, implementation):
     args[7] = (*args[7][:-1], 0.1 * torch.randn(*last.shape[:3], width, generator=g, dtype=DT))
     args = with_grad(args)
     results = []
-    for out in (parallel_memory(*args, rule=paper(residual=False), chunk_size=4, implementation=implementation),
-                sequential_memory(*args, rule=paper(residual=False), chunk_size=4)):
+    for out in (parallel_memory(*gated(args), rule=paper(residual=False), chunk_size=4, implementation=implementation),
+                sequential_memory(*gated(args), rule=paper(residual=False), chunk_size=4)):
         y, W, S = out
         loss = y.pow(2).sum() + sum((w * w).sum() for w in W) + sum(s.sum() for s in S)
         results.append([y, *W, *S, *torch.autograd.grad(loss, flat(args))])
@@ -104,7 +111,7 @@ def test_chunk_size_one_is_the_plain_recurrence():
         S = eta[:, :, t, None, None] * S - theta[:, :, t, None, None] * grad
         W = (1 - alpha[:, :, t, None, None]) * W + S
         ys.append(q[:, :, t : t + 1] + q[:, :, t : t + 1] @ W)
-    y, W_p, S_p = parallel_memory(q, k, v, theta, eta, alpha, weights, momentum, rule=paper(residual=True),
+    y, W_p, S_p = parallel_memory(q, k, v, Gates(theta, eta, alpha), weights, momentum, rule=paper(residual=True),
                                   chunk_size=1)
     assert max_diff([y, W_p[0], S_p[0]], [torch.cat(ys, 2), W, S]) <= 1e-12
 
@@ -119,7 +126,7 @@ def test_gated_delta_rule_is_a_configuration():
         kt, vt = k[:, :, t : t + 1], v[:, :, t : t + 1]
         W = (1 - alpha[:, :, t, None, None]) * W - theta[:, :, t, None, None] * 2 * kt.transpose(-1, -2) @ (kt @ W - vt)
         ys.append(q[:, :, t : t + 1] @ W)
-    y, W_p, _ = parallel_memory(q, k, v, theta, eta, alpha, weights, rule=paper(residual=False), chunk_size=1)
+    y, W_p, _ = parallel_memory(q, k, v, Gates(theta, eta, alpha), weights, rule=paper(residual=False), chunk_size=1)
     assert max_diff([y, W_p[0]], [torch.cat(ys, 2), W]) <= 1e-12
 
 
@@ -130,11 +137,12 @@ def test_chunk_gradients_are_taken_at_the_chunk_start():
     q, k, v, theta, eta, alpha, weights, momentum = make_inputs(seq=8, depth=2)
     first = torch.zeros_like(theta)
     first[..., 0] = theta[..., 0]
-    runs = [parallel_memory(q, k, v, first, eta, alpha, weights, momentum, rule=paper(), chunk_size=c) for c in (8, 1)]
+    runs = [parallel_memory(q, k, v, Gates(first, eta, alpha), weights, momentum, rule=paper(),
+                            chunk_size=c) for c in (8, 1)]
     assert max_diff(flat(runs[0]), flat(runs[1])) <= 1e-12
     both = first.clone()
     both[..., 1] = theta[..., 1]
-    y8, y1 = (parallel_memory(q, k, v, both, eta, alpha, weights, momentum, rule=paper(), chunk_size=c)[0]
+    y8, y1 = (parallel_memory(q, k, v, Gates(both, eta, alpha), weights, momentum, rule=paper(), chunk_size=c)[0]
               for c in (8, 1))
     assert max_diff([y8[:, :, :1]], [y1[:, :, :1]]) <= 1e-12
     assert (y8[:, :, 1:] - y1[:, :, 1:]).abs().amax(dim=-1).min() > 1e-8
@@ -145,7 +153,7 @@ def test_gradients_match_the_reference(chunk_size, implementation):
     args = make_inputs(seq=11, depth=2, requires_grad=True)
     grads = []
     for fn in (functools.partial(parallel_memory, implementation=implementation), sequential_memory):
-        y, W, S = fn(*args, rule=paper(), chunk_size=chunk_size)
+        y, W, S = fn(*gated(args), rule=paper(), chunk_size=chunk_size)
         loss = (y**2).sum() + sum((w**3).sum() for w in W) + sum(s.sum() for s in S)
         grads.append(torch.autograd.grad(loss, flat(args)))
     assert max_diff(*grads) <= 1e-10
@@ -160,7 +168,7 @@ def test_surprise_gated_theta_matches_the_reference():
 
     outs = []
     for fn in (parallel_memory, sequential_memory):
-        y, W, S = fn(q, k, v, surprise_theta, eta, alpha, weights, momentum, rule=paper(), chunk_size=5)
+        y, W, S = fn(q, k, v, Gates(surprise_theta, eta, alpha), weights, momentum, rule=paper(), chunk_size=5)
         outs.append([y, *W, *S, *torch.autograd.grad(y.pow(2).sum(), [theta, k])])
     assert max_diff(*outs) <= 1e-10
 
@@ -170,11 +178,11 @@ def test_bounded_gradient_norm_matches_the_reference(chunk_size, implementation)
     args = make_inputs(seq=13, depth=2, requires_grad=True)
     outs = []
     for fn in (functools.partial(parallel_memory, implementation=implementation), sequential_memory):
-        y, W, S = fn(*args, rule=paper(max_grad_norm=2.0), chunk_size=chunk_size)
+        y, W, S = fn(*gated(args), rule=paper(max_grad_norm=2.0), chunk_size=chunk_size)
         loss = (y**2).sum() + sum((w**3).sum() for w in W) + sum(s.sum() for s in S)
         outs.append([y, *W, *S, *torch.autograd.grad(loss, flat(args))])
     assert max_diff(*outs) <= 1e-10
-    unbounded = parallel_memory(*args, rule=paper(), chunk_size=chunk_size)[0]
+    unbounded = parallel_memory(*gated(args), rule=paper(), chunk_size=chunk_size)[0]
     assert (unbounded - outs[0][0]).abs().max() > 1e-3  # the bound is active on these inputs
 
 
@@ -186,8 +194,8 @@ def test_bounded_gradient_norm_bounds_each_step():
     W = weights
     for t in range(9):
         sl = slice(t, t + 1)
-        _, W_next, _ = parallel_memory(q[:, :, sl], k[:, :, sl], v[:, :, sl], theta[:, :, sl], zeros[:, :, sl],
-                                       zeros[:, :, sl], W, rule=paper(max_grad_norm=0.5), chunk_size=1)
+        _, W_next, _ = parallel_memory(q[:, :, sl], k[:, :, sl], v[:, :, sl], Gates(theta[:, :, sl], zeros[:, :, sl],
+                                       zeros[:, :, sl]), W, rule=paper(max_grad_norm=0.5), chunk_size=1)
         step = torch.sqrt(sum(((a - b) ** 2).sum((-1, -2)) for a, b in zip(W_next, W)))
         torch.testing.assert_close(step, 0.5 * theta[:, :, t], rtol=1e-12, atol=0)
         W = W_next
@@ -204,11 +212,11 @@ def test_bounded_state_matches_the_reference(chunk_size, group, implementation):
     outs = []
     for fn in (functools.partial(parallel_memory, implementation=implementation, checkpoint_chunks=group),
                sequential_memory):
-        y, W, S = fn(*args, rule=paper(**bounds), chunk_size=chunk_size)
+        y, W, S = fn(*gated(args), rule=paper(**bounds), chunk_size=chunk_size)
         loss = (y**2).sum() + sum((w**3).sum() for w in W) + sum(s.sum() for s in S)
         outs.append([y, *W, *S, *torch.autograd.grad(loss, flat(args))])
     assert max_diff(*outs) <= 1e-10
-    unbounded = parallel_memory(*args, rule=paper(max_grad_norm=2.0), chunk_size=chunk_size)[0]
+    unbounded = parallel_memory(*gated(args), rule=paper(max_grad_norm=2.0), chunk_size=chunk_size)[0]
     assert (unbounded - outs[0][0]).abs().max() > 1e-3  # the ball is active on these inputs
 
 
@@ -219,14 +227,14 @@ def test_bounded_state_holds_whatever_the_gates(implementation):
     q, k, v, theta, eta, alpha, weights, momentum = make_inputs(seq=64, depth=3)
     worst = dict(v=1000 * v, theta=torch.ones_like(theta), eta=torch.ones_like(eta), alpha=torch.zeros_like(alpha))
     gates = (worst["theta"], worst["eta"], worst["alpha"])
-    free = parallel_memory(q, k, worst["v"], *gates, weights, momentum, rule=paper(), chunk_size=4,
+    free = parallel_memory(q, k, worst["v"], Gates(*gates), weights, momentum, rule=paper(), chunk_size=4,
                            implementation=implementation)
     assert not all(torch.isfinite(w).all() for w in free[1])
     W, S = weights, momentum
     for start in range(0, 64, 4):  # chunk by chunk: every chunk end is inside the ball
         sl = slice(start, start + 4)
-        y, W, S = parallel_memory(q[:, :, sl], k[:, :, sl], worst["v"][:, :, sl], *(g[:, :, sl] for g in gates), W,
-                                  S, rule=paper(max_state_norm=3.0), chunk_size=4, implementation=implementation)
+        y, W, S = parallel_memory(q[:, :, sl], k[:, :, sl], worst["v"][:, :, sl], Gates(*(g[:, :, sl] for g in gates)),
+                                  W, S, rule=paper(max_state_norm=3.0), chunk_size=4, implementation=implementation)
         assert torch.isfinite(y).all()
         for x in (*W, *S):
             norm = torch.linalg.vector_norm(x, dim=(-2, -1))
@@ -248,18 +256,19 @@ def test_normalized_chunk_step_matches_the_reference(chunk_size, depth, activati
     outs = []
     for fn in (functools.partial(parallel_memory, implementation=implementation, checkpoint_chunks=group),
                sequential_memory):
-        y, W, S = fn(*args, rule=paper(activation=activation, normalize_chunk=True, **rule), chunk_size=chunk_size)
+        y, W, S = fn(*gated(args), rule=paper(activation=activation, normalize_chunk=True, **rule),
+                     chunk_size=chunk_size)
         loss = (y**2).sum() + sum((w**3).sum() for w in W) + sum(s.sum() for s in S)
         outs.append([y, *W, *S, *torch.autograd.grad(loss, flat(args))])
     assert max_diff(*outs) <= 1e-10
-    plain = parallel_memory(*args, rule=paper(activation=activation, **rule), chunk_size=chunk_size)[0]
+    plain = parallel_memory(*gated(args), rule=paper(activation=activation, **rule), chunk_size=chunk_size)[0]
     assert (plain - outs[0][0]).abs().max() > 1e-3  # the normalisation is active on these inputs
 
 
 def test_normalized_chunk_step_leaves_chunk_size_one_alone():
     args = make_inputs(seq=9, depth=2)
-    normalized = parallel_memory(*args, rule=paper(normalize_chunk=True), chunk_size=1)
-    plain = parallel_memory(*args, rule=paper(), chunk_size=1)
+    normalized = parallel_memory(*gated(args), rule=paper(normalize_chunk=True), chunk_size=1)
+    plain = parallel_memory(*gated(args), rule=paper(), chunk_size=1)
     assert max_diff([normalized[0], *normalized[1]], [plain[0], *plain[1]]) == 0.0
 
 
@@ -271,12 +280,13 @@ def test_normalized_chunk_of_one_repeated_pair_moves_like_one_token(implementati
     repeat = lambda x: x[:, :, :1].expand_as(x).contiguous()  # noqa: E731
     k, v, theta = repeat(k), repeat(v), repeat(theta)
     zeros = torch.zeros_like(theta)
-    once = parallel_memory(q[:, :, :1], k[:, :, :1], v[:, :, :1], theta[:, :, :1], zeros[:, :, :1], zeros[:, :, :1],
-                           weights, rule=paper(), chunk_size=8, implementation=implementation)
-    chunk = parallel_memory(q, k, v, theta, zeros, zeros, weights, rule=paper(normalize_chunk=True), chunk_size=8,
-                            implementation=implementation)
+    first = (slice(None), slice(None), slice(0, 1))
+    once = parallel_memory(q[first], k[first], v[first], Gates(theta[first], zeros[first], zeros[first]), weights,
+                           rule=paper(), chunk_size=8, implementation=implementation)
+    chunk = parallel_memory(q, k, v, Gates(theta, zeros, zeros), weights, rule=paper(normalize_chunk=True),
+                            chunk_size=8, implementation=implementation)
     assert max_diff(chunk[1], once[1]) <= 1e-12
-    summed = parallel_memory(q, k, v, theta, zeros, zeros, weights, rule=paper(), chunk_size=8,
+    summed = parallel_memory(q, k, v, Gates(theta, zeros, zeros), weights, rule=paper(), chunk_size=8,
                              implementation=implementation)
     steps = [torch.linalg.vector_norm(a - w) for a, w in zip(summed[1], weights)]
     assert all(torch.isclose(s, 8 * torch.linalg.vector_norm(b - w)) for s, b, w in zip(steps, once[1], weights))
@@ -300,8 +310,9 @@ def test_normalized_chunk_of_similar_keys_does_not_overshoot(implementation):
         return ((memory_apply(k, W, paper()) - v) ** 2).sum().item()
 
     kwargs = dict(chunk_size=16, implementation=implementation)
-    summed = parallel_memory(k, k, v, theta, zeros, zeros, weights, rule=paper(), **kwargs)[1]
-    normalized = parallel_memory(k, k, v, theta, zeros, zeros, weights, rule=paper(normalize_chunk=True), **kwargs)[1]
+    summed = parallel_memory(k, k, v, Gates(theta, zeros, zeros), weights, rule=paper(), **kwargs)[1]
+    normalized = parallel_memory(k, k, v, Gates(theta, zeros, zeros), weights, rule=paper(normalize_chunk=True),
+                                 **kwargs)[1]
     assert loss(summed) > loss(weights)
     assert loss(normalized) < loss(weights)
 
@@ -319,18 +330,18 @@ def test_hidden_layer_step_matches_the_reference(hidden_step, chunk_size, depth,
     args = make_inputs(seq=13, depth=depth, requires_grad=True)
     outs = []
     for fn in (functools.partial(parallel_memory, implementation=implementation), sequential_memory):
-        y, W, S = fn(*args, rule=paper(hidden_step=hidden_step, **rule), chunk_size=chunk_size)
+        y, W, S = fn(*gated(args), rule=paper(hidden_step=hidden_step, **rule), chunk_size=chunk_size)
         loss = (y**2).sum() + sum((w**3).sum() for w in W) + sum(s.sum() for s in S)
         outs.append([y, *W, *S, *torch.autograd.grad(loss, flat(args))])
     assert max_diff(*outs) <= 1e-10
-    every_layer = parallel_memory(*args, rule=paper(**rule), chunk_size=chunk_size)[0]
+    every_layer = parallel_memory(*gated(args), rule=paper(**rule), chunk_size=chunk_size)[0]
     assert ((every_layer - outs[0][0]).abs().max() > 1e-3) == (depth > 1)
 
 
 def test_hidden_step_zero_keeps_the_hidden_layers():
     """ρ = 0, no forgetting, no momentum carried in: the hidden layers end as they began, the last layer learned."""
     q, k, v, theta, eta, alpha, weights, _ = make_inputs(seq=13, depth=3)
-    y, W, S = parallel_memory(q, k, v, theta, eta, torch.zeros_like(alpha), weights, rule=paper(hidden_step=0.0),
+    y, W, S = parallel_memory(q, k, v, Gates(theta, eta, torch.zeros_like(alpha)), weights, rule=paper(hidden_step=0.0),
                               chunk_size=4)
     for before, after, momentum in zip(weights[:-1], W[:-1], S[:-1]):
         assert torch.equal(before, after) and not momentum.any()
@@ -343,7 +354,7 @@ def test_gradcheck_tiny(implementation):
                                                                 requires_grad=True)
 
     def fn(q, k, v, theta, eta, alpha, w1, w2, s1, s2):
-        y, W, S = parallel_memory(q, k, v, theta, eta, alpha, (w1, w2), (s1, s2), rule=paper(), chunk_size=2,
+        y, W, S = parallel_memory(q, k, v, Gates(theta, eta, alpha), (w1, w2), (s1, s2), rule=paper(), chunk_size=2,
                                   implementation=implementation)
         return (y, *W, *S)
 
@@ -351,7 +362,7 @@ def test_gradcheck_tiny(implementation):
     assert torch.autograd.gradcheck(fn, inputs, eps=1e-6, atol=1e-7)
 
     def bounded(q, k, v, theta, eta, alpha, w1, w2, s1, s2):
-        y, W, S = parallel_memory(q, k, v, theta, eta, alpha, (w1, w2), (s1, s2), rule=paper(max_grad_norm=1.0),
+        y, W, S = parallel_memory(q, k, v, Gates(theta, eta, alpha), (w1, w2), (s1, s2), rule=paper(max_grad_norm=1.0),
                                   chunk_size=2, implementation=implementation)
         return (y, *W, *S)
 
@@ -363,7 +374,7 @@ def test_checkpointed_groups_give_identical_gradients(implementation):
     args = make_inputs(seq=40, depth=2, requires_grad=True)
     grads = []
     for checkpoint_chunks in (None, 2):
-        y, W, S = parallel_memory(*args, rule=paper(), chunk_size=4, checkpoint_chunks=checkpoint_chunks,
+        y, W, S = parallel_memory(*gated(args), rule=paper(), chunk_size=4, checkpoint_chunks=checkpoint_chunks,
                                   implementation=implementation)
         grads.append(torch.autograd.grad((y**2).sum() + W[0].sum(), flat(args)))
     assert max_diff(*grads) <= 1e-12
@@ -373,7 +384,7 @@ def test_checkpointed_groups_give_identical_gradients(implementation):
 def test_causality_of_the_functional_core(implementation):
     """Changing every input of token j (q, k, v, θ, η, α) changes no output before j, and changes y_j on."""
     args = make_inputs(seq=20, depth=2)
-    y = parallel_memory(*args, rule=paper(), chunk_size=8, implementation=implementation)[0]
+    y = parallel_memory(*gated(args), rule=paper(), chunk_size=8, implementation=implementation)[0]
     g = torch.Generator().manual_seed(5)
     for j in (0, 5, 9, 19):
         changed = [t.clone() if isinstance(t, torch.Tensor) else t for t in args]
@@ -382,7 +393,7 @@ def test_causality_of_the_functional_core(implementation):
         changed[2][:, :, j] += 1.0
         for i in (3, 4, 5):  # θ, η, α: new values in range
             changed[i][:, :, j] = 0.05 + 0.5 * torch.rand(changed[i][:, :, j].shape, generator=g, dtype=DT)
-        y2 = parallel_memory(*changed, rule=paper(), chunk_size=8, implementation=implementation)[0]
+        y2 = parallel_memory(*gated(changed), rule=paper(), chunk_size=8, implementation=implementation)[0]
         assert torch.equal(y2[:, :, :j], y[:, :, :j])
         assert (y2[:, :, j:] - y[:, :, j:]).abs().max() > 1e-6
 
@@ -391,7 +402,8 @@ def test_state_is_float32_when_activations_are_bf16():
     q, k, v, theta, eta, alpha, weights, momentum = make_inputs(seq=9, depth=2)
     lowp = [t.to(torch.bfloat16) for t in (q, k, v)]
     weights32 = tuple(w.float() for w in weights)
-    y, W, S = parallel_memory(*lowp, theta.float(), eta.float(), alpha.float(), weights32, rule=paper(), chunk_size=4)
+    y, W, S = parallel_memory(*lowp, Gates(theta.float(), eta.float(), alpha.float()), weights32, rule=paper(),
+                              chunk_size=4)
     assert y.dtype == torch.bfloat16 and all(w.dtype == torch.float32 for w in W + S)
 
 
@@ -408,8 +420,9 @@ def test_zero_gates_are_exact_limits():
     q, k, v, theta, eta, alpha, weights, momentum = make_inputs(seq=6, depth=1)
     alpha = torch.ones_like(alpha)
     eta = torch.zeros_like(eta)
-    y, W, S = parallel_memory(q, k, v, theta, eta, alpha, weights, momentum, rule=paper(), chunk_size=3)
-    y_ref, W_ref, S_ref = sequential_memory(q, k, v, theta, eta, alpha, weights, momentum, rule=paper(), chunk_size=3)
+    y, W, S = parallel_memory(q, k, v, Gates(theta, eta, alpha), weights, momentum, rule=paper(), chunk_size=3)
+    y_ref, W_ref, S_ref = sequential_memory(q, k, v, Gates(theta, eta, alpha), weights, momentum, rule=paper(),
+                                            chunk_size=3)
     assert torch.isfinite(y).all()
     assert max_diff([y, *W, *S], [y_ref, *W_ref, *S_ref]) <= 1e-12
 
@@ -469,7 +482,7 @@ def test_bad_input_names_the_argument(case, fn):
     args = make_inputs(seq=7)
     spoil(args)
     with pytest.raises(ValueError, match=rf"^{name}\b"):  # the message starts with the argument's name
-        fn(*args, rule=paper())
+        fn(*gated(args), rule=paper())
 
 
 @pytest.mark.parametrize("bound", [1e-200, 1e160])
@@ -478,20 +491,30 @@ def test_max_grad_norm_out_of_the_state_dtypes_range(bound, fn):
     """A valid rule (any positive finite c), but beyond the range where c² is a normal number of the state's dtype
     (1e-200, 1e160 in float64) the bound would overflow or turn a zero gradient into 0 · ∞: the call refuses it."""
     with pytest.raises(ValueError, match="rule.max_grad_norm must lie in"):
-        fn(*make_inputs(seq=7), rule=paper(max_grad_norm=bound))
+        fn(*gated(make_inputs(seq=7)), rule=paper(max_grad_norm=bound))
 
 
 @pytest.mark.parametrize("fn", [parallel_memory, sequential_memory])
 def test_rule_must_be_a_memory_rule(fn):
     with pytest.raises(ValueError, match="^rule must be a MemoryRule"):
-        fn(*make_inputs(seq=7), rule={"max_grad_norm": 1.0})
+        fn(*gated(make_inputs(seq=7)), rule={"max_grad_norm": 1.0})
+
+
+@pytest.mark.parametrize("fn", [parallel_memory, sequential_memory])
+def test_the_gates_are_one_argument(fn):
+    """θ, η, α (and the loss's gate) travel as one `Gates`: a call that gives them one by one is refused by name."""
+    q, k, v, theta, eta, alpha, weights, momentum = make_inputs(seq=7)
+    with pytest.raises(TypeError, match=r"^gates must be titans.memory.Gates\(theta, eta, alpha, loss_gate=None\)"):
+        fn(q, k, v, theta, weights)
+    with pytest.raises(TypeError):
+        fn(q, k, v, theta, eta, alpha, weights, momentum)
 
 
 @pytest.mark.parametrize("chunk_size", [0, -3, 2.5, True])
 @pytest.mark.parametrize("fn", [parallel_memory, sequential_memory])
 def test_bad_chunk_size(chunk_size, fn):
     with pytest.raises(ValueError, match="^chunk_size"):
-        fn(*make_inputs(seq=7), rule=paper(), chunk_size=chunk_size)
+        fn(*gated(make_inputs(seq=7)), rule=paper(), chunk_size=chunk_size)
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
@@ -506,7 +529,7 @@ def test_saturated_gates_keep_gradients_finite_and_exact_elsewhere(implementatio
     args = with_grad(args)
     results = []
     for fn in (functools.partial(parallel_memory, implementation=implementation), sequential_memory):
-        y, W, _ = fn(*args, rule=paper(), chunk_size=4)
+        y, W, _ = fn(*gated(args), rule=paper(), chunk_size=4)
         results.append(list(torch.autograd.grad(y.pow(2).sum() + W[0].sum(), flat(args))))
     (fast, ref), names = results, ["q", "k", "v", "theta", "eta", "alpha"]
     assert all(torch.isfinite(g).all() for g in fast)
@@ -535,7 +558,7 @@ def test_extreme_but_valid_gradient_bounds_stay_finite_on_zero_gradients():
     k, v = k.clone(), v.clone()
     k[:, :, 2], v[:, :, 2] = 0.0, 0.0  # padding: this token's gradient is exactly zero
     for bound in (1.5e-154, 1e-20, 1e150):
-        y, W, S = parallel_memory(q, k, v, theta, eta, alpha, weights, momentum,
+        y, W, S = parallel_memory(q, k, v, Gates(theta, eta, alpha), weights, momentum,
                                   rule=paper(residual=False, max_grad_norm=bound), chunk_size=4)
         assert all(torch.isfinite(t).all() for t in (y, *W, *S))
 
@@ -561,7 +584,7 @@ def test_channel_wise_forgetting_matches_the_reference(chunk_size, depth, rule):
     args = channel_alpha(make_inputs(seq=13, depth=depth, requires_grad=True))
     outs = []
     for fn in (parallel_memory, sequential_memory):
-        y, W, S = fn(*args, rule=paper(**rule), chunk_size=chunk_size)
+        y, W, S = fn(*gated(args), rule=paper(**rule), chunk_size=chunk_size)
         loss = (y**2).sum() + sum((w**3).sum() for w in W) + sum(s.sum() for s in S)
         outs.append([y, *W, *S, *torch.autograd.grad(loss, flat(args))])
     assert max_diff(*outs) <= 1e-10
@@ -571,8 +594,8 @@ def test_channel_wise_forgetting_with_equal_channels_is_the_scalar_gate():
     """Every channel at the same α_t is the paper's scalar forgetting gate (the fused path serves that one)."""
     q, k, v, theta, eta, alpha, weights, momentum = make_inputs(seq=21, depth=2)
     same = tuple(alpha.unsqueeze(-1).expand(*alpha.shape, w.shape[-1]) for w in weights)
-    scalar = parallel_memory(q, k, v, theta, eta, alpha, weights, momentum, rule=paper(), chunk_size=4)
-    channels = parallel_memory(q, k, v, theta, eta, same, weights, momentum, rule=paper(), chunk_size=4)
+    scalar = parallel_memory(q, k, v, Gates(theta, eta, alpha), weights, momentum, rule=paper(), chunk_size=4)
+    channels = parallel_memory(q, k, v, Gates(theta, eta, same), weights, momentum, rule=paper(), chunk_size=4)
     assert max_diff(flat(scalar), flat(channels)) <= 1e-12
 
 
@@ -583,7 +606,7 @@ def test_channel_wise_forgetting_forgets_only_its_channels():
     zero_theta = torch.zeros_like(theta)  # no writes: the state shows the forgetting alone
     forget = torch.zeros(*alpha.shape, weights[0].shape[-1], dtype=DT)
     forget[..., 1] = 1.0
-    _, (W,), _ = parallel_memory(q, k, v, zero_theta, eta, (forget,), weights, rule=paper(), chunk_size=4)
+    _, (W,), _ = parallel_memory(q, k, v, Gates(zero_theta, eta, (forget,)), weights, rule=paper(), chunk_size=4)
     assert torch.equal(W[..., 1], torch.zeros_like(W[..., 1]))
     assert max_diff([W[..., [0, 2, 3]]], [weights[0][..., [0, 2, 3]]]) <= 1e-15
 
@@ -593,9 +616,9 @@ def test_bad_channel_wise_alpha_names_the_layer(fn):
     args = channel_alpha(make_inputs(seq=7))
     wrong_width = [*args[:5], (args[5][0], args[5][1][..., :2]), *args[6:]]
     with pytest.raises(ValueError, match=r"^alpha\[1\] must have shape"):
-        fn(*wrong_width, rule=paper())
+        fn(*gated(wrong_width), rule=paper())
     with pytest.raises(ValueError, match="one tensor per memory layer"):
-        fn(*args[:5], args[5][:1], *args[6:], rule=paper())
+        fn(*gated([*args[:5], args[5][:1], *args[6:]]), rule=paper())
     above_one = [*args[:5], (args[5][0] + 2.0, args[5][1]), *args[6:]]
     with pytest.raises(ValueError, match=r"^alpha\[0\] must lie in \[0, 1\]"):
-        fn(*above_one, rule=paper())
+        fn(*gated(above_one), rule=paper())

@@ -11,13 +11,13 @@ import threading
 import pytest
 import torch
 
-from titans.memory import fused, parallel_memory, release_workspace
+from titans.memory import Gates, fused, parallel_memory, release_workspace
 
-from .test_functional import flat, make_inputs, max_diff, paper
+from .test_functional import flat, gated, make_inputs, max_diff, paper
 
 
 def outputs_and_grads(args, implementation, **kwargs):
-    y, W, S = parallel_memory(*args, implementation=implementation, **kwargs)
+    y, W, S = parallel_memory(*gated(args), implementation=implementation, **kwargs)
     outs = [y, *W, *S]
     g = torch.Generator().manual_seed(1)
     loss = sum((o * torch.randn(o.shape, generator=g, dtype=o.dtype)).sum() for o in outs)
@@ -39,7 +39,7 @@ def test_fused_matches_autograd_values_and_gradients(depth, activation, residual
     assert max_diff(fused[0], plain[0]) <= 1e-10
     assert max_diff(fused[1], plain[1]) <= 1e-10
     if max_grad_norm is not None:  # the bound must be active for the test to cover its backward
-        unbounded = parallel_memory(*args, rule=paper(activation=activation, residual=residual), chunk_size=4)[0]
+        unbounded = parallel_memory(*gated(args), rule=paper(activation=activation, residual=residual), chunk_size=4)[0]
         assert (unbounded - fused[0][0]).abs().max() > 1e-3
 
 
@@ -66,7 +66,7 @@ def test_outputs_the_loss_leaves_out_get_no_gradient(used):
     args = make_inputs(seq=23, depth=2, requires_grad=True)
     grads = []
     for implementation in ("fused", "autograd"):
-        y, W, S = parallel_memory(*args, rule=paper(), chunk_size=4, implementation=implementation)
+        y, W, S = parallel_memory(*gated(args), rule=paper(), chunk_size=4, implementation=implementation)
         picked = {"y": [y], "states": [*W, *S], "W_1": [W[0]]}[used]
         loss = sum((o * o.detach().cos()).sum() for o in picked)
         got = torch.autograd.grad(loss, flat(args), allow_unused=True)
@@ -102,7 +102,7 @@ def test_gradcheck_with_groups_and_a_ragged_tail():
                                                                 requires_grad=True)
 
     def fn(q, k, v, theta, eta, alpha, w1, w2, s1, s2):
-        y, W, S = parallel_memory(q, k, v, theta, eta, alpha, (w1, w2), (s1, s2),
+        y, W, S = parallel_memory(q, k, v, Gates(theta, eta, alpha), (w1, w2), (s1, s2),
                                   rule=paper(activation="silu", max_grad_norm=0.8), chunk_size=2, checkpoint_chunks=2)
         return (y, *W, *S)
 
@@ -115,30 +115,30 @@ def test_interleaved_calls_share_the_pool_safely():
     pooled buffers; neither may see the other's data."""
     first = make_inputs(seq=20, depth=2, seed=1, requires_grad=True)
     second = make_inputs(seq=20, depth=2, seed=2, requires_grad=True)
-    y1 = parallel_memory(*first, rule=paper(), chunk_size=4)[0]
-    y2 = parallel_memory(*second, rule=paper(), chunk_size=4, checkpoint_chunks=2)[0]
+    y1 = parallel_memory(*gated(first), rule=paper(), chunk_size=4)[0]
+    y2 = parallel_memory(*gated(second), rule=paper(), chunk_size=4, checkpoint_chunks=2)[0]
     probe = torch.randn(y1.shape, generator=torch.Generator().manual_seed(1), dtype=y1.dtype)
     grads2 = torch.autograd.grad((y2 * probe).sum(), flat(second))
     grads1 = torch.autograd.grad((y1 * probe).sum(), flat(first))
     for args, grads in ((first, grads1), (second, grads2)):
-        y = parallel_memory(*args, rule=paper(), chunk_size=4, implementation="autograd")[0]
+        y = parallel_memory(*gated(args), rule=paper(), chunk_size=4, implementation="autograd")[0]
         assert max_diff(grads, torch.autograd.grad((y * probe).sum(), flat(args))) <= 1e-10
 
 
 def test_returned_states_do_not_alias_the_pool():
     args = make_inputs(seq=24, depth=2)
     with torch.no_grad():
-        y, W, S = parallel_memory(*args, rule=paper(), chunk_size=4)
+        y, W, S = parallel_memory(*gated(args), rule=paper(), chunk_size=4)
         kept = [t.clone() for t in (y, *W, *S)]
-        parallel_memory(*make_inputs(seq=24, depth=2, seed=3), rule=paper(), chunk_size=4)  # reuses the pool
+        parallel_memory(*gated(make_inputs(seq=24, depth=2, seed=3)), rule=paper(), chunk_size=4)  # reuses the pool
     assert max_diff([y, *W, *S], kept) == 0
 
 
 def test_no_grad_and_recorded_forward_agree():
     args = make_inputs(seq=21, depth=3, requires_grad=True)
     with torch.no_grad():
-        free = parallel_memory(*args, rule=paper(), chunk_size=4)
-    recorded = parallel_memory(*args, rule=paper(), chunk_size=4, checkpoint_chunks=2)
+        free = parallel_memory(*gated(args), rule=paper(), chunk_size=4)
+    recorded = parallel_memory(*gated(args), rule=paper(), chunk_size=4, checkpoint_chunks=2)
     assert max_diff([free[0], *free[1], *free[2]], [recorded[0], *recorded[1], *recorded[2]]) == 0
 
 
@@ -149,7 +149,7 @@ def test_broadcast_initial_weights_receive_summed_gradients():
     expanded = tuple(w.expand_as(ref) for w, ref in zip(shared, weights))
     grads = []
     for implementation in ("fused", "autograd"):
-        y, W, _ = parallel_memory(q, k, v, theta, eta, alpha, expanded, rule=paper(), chunk_size=4,
+        y, W, _ = parallel_memory(q, k, v, Gates(theta, eta, alpha), expanded, rule=paper(), chunk_size=4,
                                   implementation=implementation)
         grads.append(torch.autograd.grad((y**2).sum() + W[1].sum(), shared))
     assert max_diff(*grads) <= 1e-10
@@ -164,12 +164,12 @@ def test_backward_on_another_thread_returns_buffers_to_the_forward():
     must come back to the next forward wherever the backward ran: the pool must not grow step after step."""
     release_workspace()
     args = make_inputs(seq=24, depth=2, requires_grad=True)
-    reference = torch.autograd.grad(parallel_memory(*args, rule=paper(), chunk_size=4,
+    reference = torch.autograd.grad(parallel_memory(*gated(args), rule=paper(), chunk_size=4,
                                                     implementation="autograd")[0].sum(),
                                     flat(args))
     pooled = []
     for _ in range(4):
-        y = parallel_memory(*args, rule=paper(), chunk_size=4)[0]
+        y = parallel_memory(*gated(args), rule=paper(), chunk_size=4)[0]
         grads = []
         worker = threading.Thread(target=_grad_into, args=(grads, y.sum(), flat(args)))
         worker.start()
@@ -185,10 +185,10 @@ def test_inference_mode_buffers_never_reach_a_normal_call():
     under inference_mode, then training, must work."""
     args = make_inputs(seq=12, depth=2, requires_grad=True)
     with torch.inference_mode():
-        evaluated = parallel_memory(*args, rule=paper(), chunk_size=4)[0]
-    y = parallel_memory(*args, rule=paper(), chunk_size=4)[0]
+        evaluated = parallel_memory(*gated(args), rule=paper(), chunk_size=4)[0]
+    y = parallel_memory(*gated(args), rule=paper(), chunk_size=4)[0]
     grads = torch.autograd.grad(y.sum(), flat(args))
-    reference = parallel_memory(*args, rule=paper(), chunk_size=4, implementation="autograd")[0]
+    reference = parallel_memory(*gated(args), rule=paper(), chunk_size=4, implementation="autograd")[0]
     assert max_diff([y, evaluated], [reference, reference.detach()]) <= 1e-12
     assert max_diff(grads, torch.autograd.grad(reference.sum(), flat(args))) <= 1e-10
 
@@ -197,21 +197,21 @@ def test_double_backward_is_refused_even_for_a_loss_linear_in_y():
     """A loss linear in y gets no grad-requiring incoming gradient, so `once_differentiable` alone would hand back
     a silent zero second derivative."""
     args = make_inputs(seq=8, depth=2, requires_grad=True)
-    y = parallel_memory(*args, rule=paper(), chunk_size=4)[0]
+    y = parallel_memory(*gated(args), rule=paper(), chunk_size=4)[0]
     with pytest.raises(RuntimeError, match="implementation='autograd'"):
         torch.autograd.grad((y * 2.0).sum(), args[3], create_graph=True)
 
 
 def test_release_workspace_then_run_again():
     args = make_inputs(seq=12, depth=2)
-    before = parallel_memory(*args, rule=paper(), chunk_size=4)[0]
+    before = parallel_memory(*gated(args), rule=paper(), chunk_size=4)[0]
     release_workspace()
-    assert torch.equal(parallel_memory(*args, rule=paper(), chunk_size=4)[0], before)
+    assert torch.equal(parallel_memory(*gated(args), rule=paper(), chunk_size=4)[0], before)
 
 
 def test_unknown_implementation_is_named():
     with pytest.raises(ValueError, match="implementation"):
-        parallel_memory(*make_inputs(seq=4), rule=paper(), implementation="cuda")
+        parallel_memory(*gated(make_inputs(seq=4)), rule=paper(), implementation="cuda")
 
 
 @pytest.mark.parametrize("depth, seed, normalize_chunk", [(1, 0, False), (2, 1, False), (3, 2, False), (2, 3, True)])

@@ -23,11 +23,11 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from titans import TitansConfig, TitansLM
-from titans.memory import MemoryRule, fused, parallel, parallel_memory, sequential_memory, state_ops
-from titans.memory.checks import Gates
+from titans.memory import Gates, MemoryRule, fused, parallel, parallel_memory, sequential_memory, state_ops
 from titans.memory.step import memory_token_step
 from titans.models.config import MemoryConfig
 
+from .test_functional import gated
 from .test_layer import make_memory, run_in_pieces
 
 GOLDEN = Path(__file__).parent / "golden" / "rule_golden.safetensors"
@@ -135,9 +135,9 @@ def test_functional_core_is_unchanged(golden, monkeypatch, impl, name, depth, se
         monkeypatch.setattr(fused, "NATIVE", False)
     args = functional_inputs(golden, name, depth)
     if impl == "reference":
-        y, W, S = sequential_memory(*args, rule=rule, chunk_size=chunk)
+        y, W, S = sequential_memory(*gated(args), rule=rule, chunk_size=chunk)
     else:
-        y, W, S = parallel_memory(*args, rule=rule, chunk_size=chunk,
+        y, W, S = parallel_memory(*gated(args), rule=rule, chunk_size=chunk,
                                   implementation="fused" if impl == "fused_python" else impl,
                                   **({} if impl == "compile" else extra))
     outs = [y, *W, *S]

@@ -247,14 +247,16 @@ def test_the_layer_leaves_the_momentum_gain_bound_to_the_core(surprise_gate, mon
     y, _ = memory(x)
     calls, original = [], layer.parallel_memory
 
-    def free_gates_bounded_by_hand(q, k, v, theta, eta, alpha, *args, rule, **kwargs):
+    def free_gates_bounded_by_hand(q, k, v, gates, *args, rule, **kwargs):
+        theta, eta = gates.theta, gates.eta
         if callable(theta):
             bound, gate = 0.2 * (1 - eta), theta
             theta = lambda s, a, b: torch.minimum(gate(s, a, b), bound[:, :, a:b])  # noqa: E731
         else:
             calls.append(bool((theta > 0.2 * (1 - eta)).any()))
             theta = torch.minimum(theta, 0.2 * (1 - eta))
-        return original(q, k, v, theta, eta, alpha, *args, rule=rule.replace(max_momentum_step=None), **kwargs)
+        return original(q, k, v, gates._replace(theta=theta), *args, rule=rule.replace(max_momentum_step=None),
+                        **kwargs)
 
     monkeypatch.setattr(layer, "parallel_memory", free_gates_bounded_by_hand)
     y_by_hand, _ = memory(x)
@@ -319,7 +321,7 @@ def test_memory_receives_unit_queries_and_keys_and_bounded_rates(name, monkeypat
         memory.to_gates.weight.normal_(0, 50.0)  # logits far into saturation, both signs
     memory(torch.randn(2, 10, 16, dtype=DT))
     assert calls
-    for q, k, v, theta, eta, alpha, *_ in calls:
+    for q, k, v, (theta, eta, alpha, _), *_ in calls:
         for t in (q, k):
             assert torch.allclose(t.norm(dim=-1), torch.ones((), dtype=DT), atol=1e-12)
         if callable(theta):
@@ -404,7 +406,7 @@ def test_ablation_switches_equal_the_token_by_token_rule(name, monkeypatch):
     assert (y - y_ref).abs().max() <= 1e-12
     for w, w_ref in zip(state.weights + state.momentum, state_ref.weights + state_ref.momentum):
         assert (w - w_ref).abs().max() <= 1e-12
-    for _, _, _, theta, eta, alpha, weights, *_ in calls:
+    for _, _, _, (theta, eta, alpha, _), weights, *_ in calls:
         if name == "no momentum":
             assert (eta == 0).all() and (alpha > 0).all()
         if name == "no forgetting":

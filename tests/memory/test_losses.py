@@ -17,12 +17,22 @@ import pytest
 import torch
 
 from titans import TitansConfig, TitansLM
-from titans.memory import LOSSES, Huber, Lp, MemoryRule, Squared, fused, parallel_memory, sequential_memory, state_ops
-from titans.memory.checks import Gates
+from titans.memory import (
+    LOSSES,
+    Gates,
+    Huber,
+    Lp,
+    MemoryRule,
+    Squared,
+    fused,
+    parallel_memory,
+    sequential_memory,
+    state_ops,
+)
 from titans.memory.fused import ScanConfig
 from titans.memory.step import memory_token_step
 
-from .test_functional import DT, flat, make_inputs, max_diff, paper, with_grad
+from .test_functional import DT, flat, gated, make_inputs, max_diff, paper, with_grad
 from .test_layer import make_memory, run_in_pieces
 
 # Every registered loss, by name: the instances the reference tests below run (a loss without examples fails
@@ -117,7 +127,7 @@ def outputs_and_grads(fn, args, gate, **kwargs):
     """fn's outputs and the gradients of a random linear loss of them w.r.t. every input, the gate's included."""
     inputs = with_grad(args)
     gate = None if gate is None else gate.clone().requires_grad_()
-    y, W, S = fn(*inputs, loss_gate=gate, **kwargs)
+    y, W, S = fn(*gated(inputs, gate), **kwargs)
     outs = [y, *W, *S]
     g = torch.Generator().manual_seed(1)
     probe = sum((o * torch.randn(o.shape, generator=g, dtype=o.dtype)).sum() for o in outs)
@@ -205,8 +215,8 @@ def test_gradcheck_of_the_gated_huber_through_the_fused_scan():
     rule = paper(loss=Huber(delta=0.3, gated=True))
 
     def fn(k, v, theta, gate, w1, w2):
-        y, W, S = parallel_memory(q, k, v, theta, eta, alpha, (w1, w2), momentum, rule=rule, chunk_size=2,
-                                  checkpoint_chunks=2, loss_gate=gate)
+        y, W, S = parallel_memory(q, k, v, Gates(theta, eta, alpha, gate), (w1, w2), momentum, rule=rule, chunk_size=2,
+                                  checkpoint_chunks=2)
         return (y, *W, *S)
 
     inputs = [t.clone().requires_grad_() for t in (k, v, theta, gate, *weights)]
@@ -225,8 +235,8 @@ def test_the_one_token_step_equals_the_chunk_path(loss):
         tokens_gate = None if gate is None else gate[:, :, :t]
         y, W, S = memory_token_step(q[:, :, t - 1:t], *chunk[:2], Gates(*chunk[2:], tokens_gate), weights, momentum,
                                     t == 5, rule)
-        y_ref, W_ref, S_ref = parallel_memory(q[:, :, :t], *chunk, weights, momentum, rule=rule, chunk_size=5,
-                                              loss_gate=tokens_gate)
+        y_ref, W_ref, S_ref = parallel_memory(q[:, :, :t], *chunk[:2], Gates(*chunk[2:], tokens_gate), weights,
+                                              momentum, rule=rule, chunk_size=5)
         assert (y - y_ref[:, :, -1:]).abs().max() <= 1e-13
         if t == 5:
             assert max_diff(W + S, W_ref + S_ref) <= 1e-13
@@ -268,17 +278,17 @@ def test_the_layer_streams_and_generates_exactly_and_matches_the_reference(name,
 
 def test_bad_loss_gates_are_named():
     args, gate = loss_inputs(Huber(gated=True), seq=7)
-    gated, plain = paper(loss=Huber(gated=True)), paper(loss="huber")
+    with_gate, plain = paper(loss=Huber(gated=True)), paper(loss="huber")
     with pytest.raises(ValueError, match=r"^loss_gate: the rule's loss \(huber, gated\) needs"):
-        parallel_memory(*args, rule=gated)
+        parallel_memory(*gated(args), rule=with_gate)
     with pytest.raises(ValueError, match=r"^loss_gate: the rule's loss \(huber\) takes no gate"):
-        parallel_memory(*args, rule=plain, loss_gate=gate)
+        parallel_memory(*gated(args, gate), rule=plain)
     with pytest.raises(ValueError, match=r"^loss_gate must have shape \(2, 2, 7\)"):
-        parallel_memory(*args, rule=gated, loss_gate=gate[:, :, :3])
+        parallel_memory(*gated(args, gate[:, :, :3]), rule=with_gate)
     with pytest.raises(ValueError, match="^loss_gate must be >= 0"):
-        parallel_memory(*args, rule=gated, loss_gate=-gate)
+        parallel_memory(*gated(args, -gate), rule=with_gate)
     with pytest.raises(ValueError, match="^loss_gate contains NaN"):
-        parallel_memory(*args, rule=gated, loss_gate=gate * float("nan"))
+        parallel_memory(*gated(args, gate * float("nan")), rule=with_gate)
 
 
 def test_losses_in_the_config():
@@ -347,9 +357,9 @@ def test_the_triton_kernels_refuse_a_loss_they_lack_by_name(monkeypatch):
     monkeypatch.setattr(triton_chunk, "LOSSES", ("squared", "lp"))
     with pytest.raises(ValueError, match="the huber loss: the Triton kernels compute the squared, lp losses; "
                                          "implementation='fused' or 'autograd' serves it"):
-        parallel_memory(*args, rule=paper(loss=Huber(gated=True)), chunk_size=4, implementation="triton",
-                        loss_gate=gate)
-    assert parallel_memory(*args, rule=paper(loss="huber"), chunk_size=4)[0].shape == args[2].shape  # default: fused
+        parallel_memory(*gated(args, gate), rule=paper(loss=Huber(gated=True)), chunk_size=4, implementation="triton")
+    assert parallel_memory(*gated(args), rule=paper(loss="huber"),
+                           chunk_size=4)[0].shape == args[2].shape  # default: fused
 
 
 @pytest.mark.parametrize("p, delta", list(itertools.product([1.5, 4.0], [0.05])))
@@ -362,7 +372,7 @@ def test_the_biases_differ_from_the_squared_loss_as_they_should(p, delta):
     zero = torch.zeros_like(eta)
     step = {}
     for name, loss in (("squared", Squared()), ("huber", Huber(delta=delta)), ("lp", Lp(p=p, eps=1e-12))):
-        _, (W,), _ = parallel_memory(q, k, v, theta, zero, zero, weights, rule=paper(loss=loss), chunk_size=1)
+        _, (W,), _ = parallel_memory(q, k, v, Gates(theta, zero, zero), weights, rule=paper(loss=loss), chunk_size=1)
         step[name] = W - weights[0]
     e = k @ weights[0] - v  # the error at W⁰, [b, h, 1, d]
     for name, g in (("squared", 2 * e), ("huber", (2 * e).clamp(-2 * delta, 2 * delta)),

@@ -14,7 +14,7 @@ import torch
 
 from titans.memory import fused, parallel_memory, state_ops
 
-from .test_functional import flat, make_inputs, paper
+from .test_functional import flat, gated, make_inputs, paper
 from .test_fused import outputs_and_grads
 
 pytestmark = pytest.mark.skipif(state_ops.kernels() is None,
@@ -118,9 +118,9 @@ def test_native_loop_without_recording(threads, mode):
     inference mode."""
     threads(2)
     args = make_inputs(batch=2, heads=2, seq=21)
-    expected = parallel_memory(*args, rule=paper(), chunk_size=4, implementation="autograd")
+    expected = parallel_memory(*gated(args), rule=paper(), chunk_size=4, implementation="autograd")
     with torch.no_grad() if mode == "no_grad" else torch.inference_mode():
-        got = parallel_memory(*args, rule=paper(), chunk_size=4)
+        got = parallel_memory(*gated(args), rule=paper(), chunk_size=4)
     for a, b in zip(flat(list(got)), flat(list(expected))):
         assert (a - b).abs().max().item() <= 1e-12
 

@@ -4,7 +4,7 @@ the scan without. The kernels are float32; the references are held to float64 pr
 import pytest
 import torch
 
-from titans.memory import MemoryRule, parallel_memory, state_ops
+from titans.memory import Gates, MemoryRule, parallel_memory, state_ops
 from titans.memory.state_ops import Momentum, Wanted
 
 needs_kernels = pytest.mark.skipif(state_ops.state_kernels() is None,
@@ -215,7 +215,7 @@ def _scan(monkeypatch, with_kernels: bool, seq: int, chunk_size: int):
     theta = (0.1 * torch.rand(B, H, seq)).requires_grad_()
     eta, alpha = torch.rand(B, H, seq).requires_grad_(), (0.05 * torch.rand(B, H, seq)).requires_grad_()
     weights = tuple((0.2 * torch.randn(B, H, a, b)).requires_grad_() for a, b in [(d, hidden), (hidden, d)])
-    y, new_w, new_m = parallel_memory(q, k, v, theta, eta, alpha, weights, rule=MemoryRule.paper(),
+    y, new_w, new_m = parallel_memory(q, k, v, Gates(theta, eta, alpha), weights, rule=MemoryRule.paper(),
                                       chunk_size=chunk_size)
     loss = y.pow(2).sum() + sum((w * torch.cos(w)).sum() for w in (*new_w, *new_m))
     loss.backward()

@@ -5,9 +5,8 @@ import itertools
 import pytest
 import torch
 
+from titans.memory import Gates, parallel_memory
 from titans.memory import layer as layer_module
-from titans.memory import parallel_memory
-from titans.memory.checks import Gates
 from titans.memory.decays import chunk_decays, last_row_decays
 from titans.memory.mlp import backward_deltas, chunk_step_norm, forward_cached, last_step_norm
 from titans.memory.step import memory_token_step
@@ -55,7 +54,8 @@ def test_token_step_equals_the_chunk_path_at_every_token(rule, depth, residual):
         chunk = [x[:, :, :t] for x in (k, v, theta, eta, alpha)]
         y, W, S = memory_token_step(q[:, :, t - 1 : t], *chunk[:2], Gates(*chunk[2:], None), weights, momentum, t == 5,
                                     rule)
-        y_ref, W_ref, S_ref = parallel_memory(q[:, :, :t], *chunk, weights, momentum, rule=rule, chunk_size=5)
+        y_ref, W_ref, S_ref = parallel_memory(q[:, :, :t], *chunk[:2], Gates(*chunk[2:]), weights, momentum, rule=rule,
+                                              chunk_size=5)
         assert (y - y_ref[:, :, -1:]).abs().max() <= 1e-13
         if t < 5:  # mid-chunk the state stays where the chunk started
             assert all(a is b for a, b in zip(W + S, weights + momentum))
@@ -72,7 +72,7 @@ def test_token_step_takes_the_surprise_gate_at_the_chunk_start_weights():
 
     y, W, S = memory_token_step(q[:, :, -1:], k, v, Gates(surprise_theta, eta, alpha, None), weights, momentum, True,
                                 paper())
-    y_ref, W_ref, S_ref = parallel_memory(q, k, v, surprise_theta, eta, alpha, weights, momentum, rule=paper(),
+    y_ref, W_ref, S_ref = parallel_memory(q, k, v, Gates(surprise_theta, eta, alpha), weights, momentum, rule=paper(),
                                           chunk_size=4)
     assert max_diff([y, *W, *S], [y_ref[:, :, -1:], *W_ref, *S_ref]) <= 1e-13
 

@@ -22,7 +22,7 @@ pytest.importorskip("triton", reason="triton is not installed (pip install -c co
 from titans.memory import MemoryRule, parallel_memory, sequential_memory, triton_chunk  # noqa: E402
 from titans.memory.parallel import serving_implementation  # noqa: E402
 
-from .test_functional import flat, make_inputs, max_diff, paper, with_grad  # noqa: E402
+from .test_functional import flat, gated, make_inputs, max_diff, paper, with_grad  # noqa: E402
 from .test_losses import CASES as LOSS_CASES  # noqa: E402
 from .test_losses import IDS as LOSS_IDS  # noqa: E402
 
@@ -47,9 +47,9 @@ def outputs_and_grads(args, implementation, used=("y", "W", "S"), gate=None, **k
     fields of the rule change the paper's rule (`MemoryRule.paper`); the others go to the call."""
     kwargs["rule"] = paper(**{name: kwargs.pop(name) for name in list(kwargs) if name in MemoryRule.model_fields})
     if implementation is None:
-        y, W, S = sequential_memory(*args, loss_gate=gate, **kwargs)
+        y, W, S = sequential_memory(*gated(args, gate), **kwargs)
     else:
-        y, W, S = parallel_memory(*args, implementation=implementation, loss_gate=gate, **kwargs)
+        y, W, S = parallel_memory(*gated(args, gate), implementation=implementation, **kwargs)
     outs = {"y": [y], "W": list(W), "S": list(S)}
     g = torch.Generator().manual_seed(1)
     loss = sum((o * torch.randn(o.shape, generator=g, dtype=torch.float64).to(o.device, o.dtype)).sum()
@@ -107,7 +107,8 @@ def test_triton_matches_the_reference_in_float64(case):
     assert max_diff(got[0], ref[0]) <= 1e-10
     assert max_diff(got[1], ref[1]) <= 1e-10
     if "max_grad_norm" in kwargs:  # the bounds must be active for the case to cover their backward pass
-        unbounded = parallel_memory(*args, rule=paper(activation=kwargs.get("activation", "gelu")), chunk_size=chunk,
+        unbounded = parallel_memory(*gated(args), rule=paper(activation=kwargs.get("activation", "gelu")),
+                                    chunk_size=chunk,
                                     implementation="autograd")[0]
         assert (unbounded - got[0][0]).abs().max() > 1e-3
 
@@ -193,14 +194,15 @@ def test_half_precision_queries_keys_values_with_a_float32_state(dtype):
 def test_no_grad_forward_matches_the_recorded_one():
     args = on_device(inputs(11, 2))
     with torch.no_grad():
-        quiet = parallel_memory(*args, rule=paper(max_state_norm=0.7), chunk_size=4, implementation="triton")
-    recorded = parallel_memory(*with_grad(args), rule=paper(max_state_norm=0.7), chunk_size=4, implementation="triton")
+        quiet = parallel_memory(*gated(args), rule=paper(max_state_norm=0.7), chunk_size=4, implementation="triton")
+    recorded = parallel_memory(*gated(with_grad(args)), rule=paper(max_state_norm=0.7), chunk_size=4,
+                               implementation="triton")
     assert max_diff([quiet[0], *quiet[1], *quiet[2]], [recorded[0], *recorded[1], *recorded[2]]) == 0.0
 
 
 def test_double_backward_is_refused_even_for_a_loss_linear_in_y():
     args = with_grad(on_device(inputs(5, 1)))
-    y = parallel_memory(*args, rule=paper(), chunk_size=4, implementation="triton")[0]
+    y = parallel_memory(*gated(args), rule=paper(), chunk_size=4, implementation="triton")[0]
     with pytest.raises(RuntimeError, match="implementation='autograd'"):
         torch.autograd.grad((y * 2.0).sum(), args[3], create_graph=True)
 

@@ -16,17 +16,18 @@ VARIANTS = [(64, 256, "ieee", True), (128, 512, "ieee", True), (64, 256, "tf32x3
 
 ONE = """
 import os, sys, torch
-from titans.memory import parallel_memory
+from titans.memory import Gates, MemoryRule, parallel_memory
 head, hidden, backward = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"
 dev = torch.device("cuda")
 q, k, v = (torch.nn.functional.normalize(torch.randn(1, 2, 40, head, device=dev), dim=-1) for _ in range(3))
 theta, eta, alpha = (torch.rand(1, 2, 40, device=dev) * 0.1 for _ in range(3))
 weights = (torch.randn(1, 2, head, hidden, device=dev) / head**0.5, torch.zeros(1, 2, hidden, head, device=dev))
-args = [q, k, v, theta, eta, alpha, weights]
+tensors = [q, k, v, theta, eta, alpha]
 if backward:
-    args = [t.requires_grad_() for t in args[:6]] + [tuple(w.requires_grad_() for w in weights)]
-y = parallel_memory(*args, chunk_size=16, max_grad_norm=4.0, max_state_norm=10.0, normalize_chunk=True,
-                    implementation="triton")[0]
+    tensors = [t.requires_grad_() for t in tensors]
+    weights = tuple(w.requires_grad_() for w in weights)
+rule = MemoryRule.paper(max_grad_norm=4.0, max_state_norm=10.0, normalize_chunk=True)
+y = parallel_memory(*tensors[:3], Gates(*tensors[3:]), weights, rule=rule, chunk_size=16, implementation="triton")[0]
 if backward:
     y.square().sum().backward()
 torch.cuda.synchronize()

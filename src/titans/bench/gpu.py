@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..memory import MemoryRule, NeuralMemory, parallel_memory
+from ..memory import Gates, MemoryRule, NeuralMemory, parallel_memory
 from ..memory.triton_chunk import PRECISIONS, Geometry
 from ..models import StaticDecoder, TitansConfig, TitansLM
 
@@ -363,13 +363,13 @@ def precision_point(seq: int, heads: int, head: int, device: torch.device, preci
         # the library's bounds and normalised chunk step on these gates as given (no κ: the rule's other fields)
         rule = dict(chunk_size=16, rule=MemoryRule.paper(max_grad_norm=4.0, max_state_norm=10.0, normalize_chunk=True))
         with torch.no_grad():
-            y64, w64, _ = parallel_memory(q, k, v, theta, eta, alpha, weights, implementation="autograd", **rule)
+            y64, w64, _ = parallel_memory(q, k, v, Gates(theta, eta, alpha), weights, implementation="autograd", **rule)
             keep = os.environ.get("TITANS_TRITON_PRECISION")
             os.environ["TITANS_TRITON_PRECISION"] = precision
             try:
-                args32 = [t.float() for t in (q, k, v, theta, eta, alpha)]
-                y32, w32, _ = parallel_memory(*args32, tuple(w.float() for w in weights), implementation="triton",
-                                              **rule)
+                q32, k32, v32, *gates32 = (t.float() for t in (q, k, v, theta, eta, alpha))
+                y32, w32, _ = parallel_memory(q32, k32, v32, Gates(*gates32), tuple(w.float() for w in weights),
+                                              implementation="triton", **rule)
             finally:
                 os.environ.pop("TITANS_TRITON_PRECISION") if keep is None else os.environ.update(
                     TITANS_TRITON_PRECISION=keep)

@@ -36,7 +36,7 @@ def memory_reader(dim: int, memory_depth: int, expansion: int, chunk_size: int, 
                   residual: bool = False):
     """predict(inputs [B, 4n + 1]) -> predicted tokens [B, 4n + 1]: the pairs written into a fresh memory, every
     queried key read back (other positions predict -1)."""
-    from ..memory import MemoryRule, NeuralMemory, memory_apply, parallel_memory
+    from ..memory import Gates, MemoryRule, NeuralMemory, memory_apply, parallel_memory
 
     generator = torch.Generator().manual_seed(0)
     # the default rule but for the residual; the gates are given here, so κ is off (θ is the capacity grid's choice)
@@ -52,7 +52,7 @@ def memory_reader(dim: int, memory_depth: int, expansion: int, chunk_size: int, 
         keys, values = vectors[inputs[:, 0:2 * n:2]][:, None], vectors[inputs[:, 1:2 * n:2]][:, None]
         gate = torch.ones(batch, 1, n, dtype=torch.float64)
         _, final, _ = parallel_memory(
-            keys, keys, values, theta * gate, layer_gate(layer, 1) * gate, layer_gate(layer, 2) * gate,
+            keys, keys, values, Gates(theta * gate, layer_gate(layer, 1) * gate, layer_gate(layer, 2) * gate),
             tuple(w.unsqueeze(0).expand(batch, -1, -1, -1) for w in weights), rule=rule, chunk_size=chunk_size)
         start = length - 2 * n
         read = memory_apply(vectors[inputs[:, start::2]][:, None], final, rule)[:, 0]

@@ -1,5 +1,6 @@
 """The neural long-term memory (paper §3): the update rule, functional chunk-parallel and reference, the layer."""
 
+from .checks import Gates
 from .delta import delta_rule_memory
 from .fused import release_workspace
 from .layer import MemoryState, NeuralMemory, StaticMemoryState
@@ -9,5 +10,6 @@ from .parallel import parallel_memory
 from .reference import sequential_memory
 from .rule import MemoryRule
 
-__all__ = ["LOSSES", "Huber", "Loss", "Lp", "MemoryRule", "MemoryState", "NeuralMemory", "Squared", "StaticMemoryState",
-           "delta_rule_memory", "memory_apply", "parallel_memory", "release_workspace", "sequential_memory"]
+__all__ = ["LOSSES", "Gates", "Huber", "Loss", "Lp", "MemoryRule", "MemoryState", "NeuralMemory", "Squared",
+           "StaticMemoryState", "delta_rule_memory", "memory_apply", "parallel_memory", "release_workspace",
+           "sequential_memory"]

@@ -29,7 +29,7 @@ class Gates(NamedTuple):
     theta: Theta
     eta: Tensor
     alpha: Alpha
-    loss_gate: Optional[Tensor]
+    loss_gate: Optional[Tensor] = None
 
 F = TypeVar("F", bound=Callable)
 
@@ -78,6 +78,9 @@ def check_memory_args(
     made (`MemoryRule`); here what depends on the tensors."""
     from .rule import MemoryRule
 
+    if not isinstance(gates, Gates):  # the call before the gates were one argument: q, k, v, θ, η, α, weights
+        raise TypeError(f"gates must be titans.memory.Gates(theta, eta, alpha, loss_gate=None), got "
+                        f"{type(gates).__name__}")
     theta, eta, alpha, loss_gate = gates
 
     if not isinstance(rule, MemoryRule):

@@ -345,14 +345,13 @@ class NeuralMemory(nn.Module):
     # breaks here, once per call, on purpose (the projections, gates and output around it are compiled).
     @torch.compiler.disable
     def _memory(self, q, k, v, gates, weights, momentum) -> tuple[Tensor, Weights, Weights]:
-        theta, eta, alpha, loss_gate = self._gate_values(gates)
+        values = self._gate_values(gates)
         if self.rule.gradients == "token":  # no momentum: η is unused and the momentum state stays zero
-            y, weights = delta_rule_memory(q, k, v, theta, alpha, weights, self.chunk_size, self.rule)
+            y, weights = delta_rule_memory(q, k, v, values.theta, values.alpha, weights, self.chunk_size, self.rule)
             return y, weights, momentum
         return parallel_memory(
-            q, k, v, theta, eta, alpha, weights, momentum, rule=self.rule, chunk_size=self.chunk_size,
+            q, k, v, values, weights, momentum, rule=self.rule, chunk_size=self.chunk_size,
             checkpoint_chunks=self._checkpoint_group(k.shape[2]), implementation=self.implementation,
-            loss_gate=loss_gate,
         )
 
     # -------------------------------------------------------------------------------------- forward

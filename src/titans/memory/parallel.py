@@ -319,9 +319,7 @@ def parallel_memory(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    theta: Theta,
-    eta: Tensor,
-    alpha: Alpha,
+    gates: Gates,
     weights: Weights,
     momentum: Optional[Weights] = None,
     *,
@@ -329,12 +327,12 @@ def parallel_memory(
     chunk_size: int = 16,
     checkpoint_chunks: Optional[int] = None,
     implementation: Optional[str] = None,
-    loss_gate: Optional[Tensor] = None,
 ) -> tuple[Tensor, Weights, Weights]:
     """Run the Titans memory over a sequence; return (y, weights after the last token, momentum).
 
     Args:
         q, k, v: `[batch, heads, seq, dim]` queries, keys, values (v may have another width without residual).
+        gates: `Gates(theta, eta, alpha, loss_gate=None)`, the per-token gates of eqs. 13-14 (and the loss's):
         theta: inner learning rate θ_t `[batch, heads, seq]`, or a callable `(surprise [b, h, n], start, end)
             -> θ [b, h, n]` evaluated per chunk, where surprise is ℓ_t at the chunk's starting weights.
         eta: momentum decay η_t `[batch, heads, seq]` ("past surprise"), in [0, 1].
@@ -369,7 +367,8 @@ def parallel_memory(
     A sequence whose length is not a multiple of `chunk_size` ends with a ragged chunk. The state is
     kept in the dtype of `weights` (use float32 there even when q/k/v are bf16).
     """
-    momentum = check_memory_args(q, k, v, Gates(theta, eta, alpha, loss_gate), weights, momentum, chunk_size, rule)
+    momentum = check_memory_args(q, k, v, gates, weights, momentum, chunk_size, rule)
+    theta, eta, alpha, loss_gate = gates
     if checkpoint_chunks is not None and (not isinstance(checkpoint_chunks, int) or checkpoint_chunks < 1):
         raise ValueError(f"checkpoint_chunks must be a positive integer or None, got {checkpoint_chunks!r}")
     implementation = serving_implementation(implementation, q, theta, alpha, weights, chunk_size, rule)

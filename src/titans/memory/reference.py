@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .checks import Alpha, Gates, Theta, check_memory_args, without_autocast
+from .checks import Gates, check_memory_args, without_autocast
 from .mlp import Weights, grad_norm_scale, memory_apply, state_norm_scale
 from .rule import MemoryRule, bounded_theta
 
@@ -25,18 +25,16 @@ def sequential_memory(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    theta: Theta,
-    eta: Tensor,
-    alpha: Alpha,
+    gates: Gates,
     weights: Weights,
     momentum: Optional[Weights] = None,
     *,
     rule: MemoryRule = DEFAULT_RULE,
     chunk_size: int = 16,
-    loss_gate: Optional[Tensor] = None,
 ) -> tuple[Tensor, Weights, Weights]:
     """Same contract as `parallel_memory` (without its implementation and recomputation choices), token by token."""
-    momentum = check_memory_args(q, k, v, Gates(theta, eta, alpha, loss_gate), weights, momentum, chunk_size, rule)
+    momentum = check_memory_args(q, k, v, gates, weights, momentum, chunk_size, rule)
+    theta, eta, alpha, loss_gate = gates
     # ρ on every layer's step but the last (1: the paper's rule)
     layer_steps = [rule.layer_step(i, len(weights)) for i in range(len(weights))]
     max_grad_norm, max_state_norm, normalize_chunk = rule.max_grad_norm, rule.max_state_norm, rule.normalize_chunk
