@@ -67,10 +67,11 @@ class LaunchRecorder:
         return launch
 
 
-# Bytes of registers ptxas may spill in a kernel: none, but for the backward at chunks of 64, whose n × n algebra
-# (16 registers a thread per matrix) left 880 bytes before its matrices moved to the scratch and now leaves under
-# this (PERFORMANCE.md).
-SPILL_ALLOWED_BACKWARD_64 = 128
+# Bytes of registers ptxas may spill in a kernel: none, but for the backward at chunks of 64 under the normalised
+# chunk step, whose n × n algebra (16 registers a thread per matrix) spilled 880 bytes before its matrices moved to
+# the scratch, the scratch's parts shared one pointer and the rule's numbers were read where used: it now spills 8
+# (one pointer, stored once and read once per chunk), without the normalised step none.
+SPILL_ALLOWED_BACKWARD_64 = 8
 
 
 def model_geometries() -> list[tuple[dict, int, int]]:
@@ -85,7 +86,7 @@ def model_geometries() -> list[tuple[dict, int, int]]:
         tiles = triton_chunk.choose_tiles(geo, torch.float32, chunk)
         constexprs = dict(D_IN=d, HID=hidden, D_OUT=d, DEPTH=depth, CH=chunk, CHP=triton_chunk._pow2(chunk),
                           BK=tiles.BK, BN=tiles.BN)
-        options = dict(num_warps=tiles.warps, num_stages=tiles.stages, maxnreg=tiles.forward_maxnreg)
+        options = dict(num_warps=tiles.warps, num_stages=tiles.stages, maxnreg=tiles.maxnreg)
         shapes.append((constexprs, options, arch, chunk))
     return shapes
 
@@ -114,7 +115,7 @@ def test_the_kernels_compile_for_h100_and_a100(monkeypatch, tmp_path):
             forward = launch["kernel"] == "_forward_kernel"
             to_compile.append(dict(launch, constexprs={**constexprs, **shape}, arch=arch,
                                    num_warps=options["num_warps"], num_stages=options["num_stages"],
-                                   maxnreg=options["maxnreg"] if forward else None))
+                                   maxnreg=options["maxnreg"]))
             spill_allowed.append(SPILL_ALLOWED_BACKWARD_64 if chunk == 64 and not forward else 0)
     (tmp_path / "launches.json").write_text(json.dumps(to_compile))
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}

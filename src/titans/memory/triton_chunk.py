@@ -263,22 +263,23 @@ def _diag(m, rows):
 class Tiles:
     """The kernels' tile sides (BK rows of the state per step of a product, BN columns of its output) and launch
     options: one software-pipelining stage (a loop's next tiles prefetched into registers would spill them), and
-    the forward's register ceiling where it is given (`choose_tiles`)."""
+    the kernels' register ceiling where it is given (`choose_tiles`)."""
 
     BK: int
     BN: int
     warps: int = 8
     stages: int = 1
-    forward_maxnreg: Optional[int] = None
+    maxnreg: Optional[int] = None
 
 
 def choose_tiles(geo: Geometry, dtype: torch.dtype, chunk_size: int = 16) -> Tiles:
     """16 × 16 tiles and 8 warps: a small product's FMA operands are a row and a column per thread, so one output
-    element per thread keeps every product within 255 registers. The forward kernel at chunks of up to 32 tokens gets
-    an explicit ceiling of 255: without it ptxas held the default model memory's forward (64 × 256, chunk 16) to 128
-    registers and spilled 212 bytes; with it, none. Both kernels compile for sm_90 and sm_80 without a spilled
+    element per thread keeps every product within 255 registers. Both kernels at chunks of up to 32 tokens get an
+    explicit ceiling of 255: without it ptxas held the default model memory's forward (64 × 256, chunk 16) to 128
+    registers and spilled 212 bytes, and the depth-4 memory's backward 152; with it, none. At 64, left to ptxas, the
+    backward spills least (8 bytes; 392 under the ceiling). Both kernels compile for sm_90 and sm_80 without a spilled
     register at chunks of up to 32 (tests/memory/test_triton_compile.py reads ptxas's report); at 64 the backward
-    spills 64 bytes (it was 880 before its n × n matrices moved to the scratch)."""
+    under the normalised chunk step spills 8 bytes (it was 880 before its n × n matrices moved to the scratch)."""
     return Tiles(16, 16, 8, 1, 255 if _pow2(chunk_size) <= 32 else None)
 
 
@@ -385,23 +386,14 @@ def _step(theta_raw, D, E_last, aa_b, dd_b, rows, last, max_grad_norm,
     """The chunk's step: θ_t bounded by max_grad_norm (‖∇ℓ_t‖² = Σ_i ‖a_i‖² ‖δ_i‖², mlp.token_grad_sq_norm), C = D
     diag(θ), u_m = θ ⊙ E[n,:], and under the normalised chunk step K[t,s] = G_ss / Σ_{r≤t} |G_sr| (mlp.chunk_step_norm,
     G = Σ_i a_i a_iᵀ ⊙ δ_i δ_iᵀ) applied to both."""
-    sq = tl.zeros([CHP], DT)
-    gram = tl.zeros([CHP, CHP], DT)
-    for i in range(DEPTH):
-        AA = _ld(aa_b + i * CHP * CHP, rows, rows, CHP, CHP, CHP, DT)
-        DD = _ld(dd_b + i * CHP * CHP, rows, rows, CHP, CHP, CHP, DT)
-        sq += _diag(AA, rows) * _diag(DD, rows)
-        if NORMALIZE:
-            gram += AA * DD
-    if GRAD_BOUND:  # θ_t · min(1, c/‖∇ℓ_t‖) (mlp.grad_norm_scale)
-        scale = max_grad_norm / tl.sqrt(tl.maximum(sq, max_grad_norm * max_grad_norm))
-        theta = theta_raw * scale
-    else:
-        scale = theta_raw
-        theta = theta_raw
+    theta, scale, sq = _bounded_theta(theta_raw, aa_b, dd_b, rows, max_grad_norm, DEPTH, CHP, GRAD_BOUND, DT)
     C = D * theta[None, :]
     u_m = theta * E_last
     if NORMALIZE:  # G is symmetric, so Σ_{r≤t} |G_sr| runs down its rows
+        gram = tl.zeros([CHP, CHP], DT)
+        for i in range(DEPTH):
+            gram += _ld(aa_b + i * CHP * CHP, rows, rows, CHP, CHP, CHP, DT) * _ld(dd_b + i * CHP * CHP, rows, rows,
+                                                                                   CHP, CHP, CHP, DT)
         overlap = tl.cumsum(tl.abs(gram), axis=0)
         own = _diag(gram, rows)
         # overlap ≥ G_ss ≥ 0, so where it is 0 so is G_ss: K = 0 there (the reference's clamp to `tiny`)
@@ -411,6 +403,29 @@ def _step(theta_raw, D, E_last, aa_b, dd_b, rows, last, max_grad_norm,
     else:
         norm = C
     return theta, scale, sq, norm, C, u_m
+
+
+@triton.jit
+def _ld_diag(ptr, rows, CHP: tl.constexpr, DT: tl.constexpr):
+    """The diagonal of the CHP × CHP matrix at ptr, read as a vector (not the matrix, then its diagonal)."""
+    return tl.load(ptr + rows * (CHP + 1)).to(DT)
+
+
+@triton.jit
+def _bounded_theta(theta_raw, aa_b, dd_b, rows, max_grad_norm, DEPTH: tl.constexpr, CHP: tl.constexpr,
+                   GRAD_BOUND: tl.constexpr, DT: tl.constexpr):
+    """(θ, its factor, ‖∇ℓ_t‖²): θ_t · min(1, c/‖∇ℓ_t‖) (mlp.grad_norm_scale), ‖∇ℓ_t‖² = Σ_i ‖a_i‖² ‖δ_i‖² read off
+    the diagonals of the Gram matrices in the scratch."""
+    sq = tl.zeros([CHP], DT)
+    for i in range(DEPTH):
+        sq += _ld_diag(aa_b + i * CHP * CHP, rows, CHP, DT) * _ld_diag(dd_b + i * CHP * CHP, rows, CHP, DT)
+    if GRAD_BOUND:
+        scale = max_grad_norm / tl.sqrt(tl.maximum(sq, max_grad_norm * max_grad_norm))
+        theta = theta_raw * scale
+    else:
+        scale = theta_raw
+        theta = theta_raw
+    return theta, scale, sq
 
 
 @triton.jit
@@ -522,7 +537,7 @@ def _copy_state(src_w, src_s, dst_w, dst_s, FW, fidx, rk, rn,
 
 @triton.jit
 def _chunk_gates(theta_ptr, gate_ptr, beta_ptr, c_ptr, D_ptr, E_last_ptr, e_last_ptr, bh, j, seq, num_chunks, rows,
-                 loss_delta, CH: tl.constexpr, GATED: tl.constexpr, DT: tl.constexpr):
+                 params_ptr, CH: tl.constexpr, GATED: tl.constexpr, DT: tl.constexpr):
     """Chunk j's θ, the loss's gate γ (Huber's δ: per token where GATED, else the rule's constant), and its gate
     algebra; rows past the chunk's end read as zeros."""
     start = j * CH
@@ -533,7 +548,8 @@ def _chunk_gates(theta_ptr, gate_ptr, beta_ptr, c_ptr, D_ptr, E_last_ptr, e_last
     if GATED:
         gamma = tl.load(gate_ptr + tok + rows, mask=valid, other=1.0).to(DT)
     else:
-        gamma = tl.full(rows.shape, 1.0, DT) * loss_delta
+        gamma = tl.full(rows.shape, 1.0, DT) * tl.load(params_ptr + 4).to(DT)  # the constant δ (read here: held
+        # through the chunk, it was a spilled register at chunks of 64)
     dec = (bh * num_chunks + j) * CH
     beta = tl.load(beta_ptr + dec + rows, mask=valid, other=0.0).to(DT)
     c = tl.load(c_ptr + dec + rows, mask=valid, other=0.0).to(DT)
@@ -543,20 +559,59 @@ def _chunk_gates(theta_ptr, gate_ptr, beta_ptr, c_ptr, D_ptr, E_last_ptr, e_last
     return theta_raw, gamma, beta, c, D, E_last, e_n, n_valid
 
 
+# A program's scratch is one row of one buffer (`_scratch`): its parts sit at compile-time offsets from the row's
+# start, so the kernel holds one pointer for all of them (at chunks of 64, a pointer per part cost the registers
+# that spilled). The forward's parts first, then what the backward adds.
+
+
+@triton.jit
+def _forward_parts(scr, CHP: tl.constexpr, IN_T: tl.constexpr, OUT_T: tl.constexpr, D_OUT: tl.constexpr,
+                   DEPTH: tl.constexpr):
+    """h, a (the layers' inputs), p, δ (their pre-activations and deltas), e (the loss's error), a aᵀ and δ δᵀ per
+    layer."""
+    H: tl.constexpr = 0
+    A: tl.constexpr = H + CHP * IN_T
+    P: tl.constexpr = A + CHP * IN_T
+    DL: tl.constexpr = P + CHP * OUT_T
+    E: tl.constexpr = DL + CHP * OUT_T
+    AA: tl.constexpr = E + CHP * D_OUT
+    DD: tl.constexpr = AA + DEPTH * CHP * CHP
+    return scr + H, scr + A, scr + P, scr + DL, scr + E, scr + AA, scr + DD
+
+
+@triton.jit
+def _backward_parts(scr, CHP: tl.constexpr, IN_T: tl.constexpr, OUT_T: tl.constexpr, D_OUT: tl.constexpr,
+                    DEPTH: tl.constexpr):
+    """After the forward's parts: m, r, h W⁰, h S⁰, h aᵀ per layer, and the gradients ∂a, ∂r, ∂δ, ∂m, ∂p, and the
+    chunk's n × n matrices C, M, C ⊙ h aᵀ, ∂C, K."""
+    M: tl.constexpr = 2 * CHP * IN_T + 2 * CHP * OUT_T + CHP * D_OUT + 2 * DEPTH * CHP * CHP  # the forward's size
+    R: tl.constexpr = M + CHP * OUT_T
+    HW: tl.constexpr = R + CHP * OUT_T
+    HS: tl.constexpr = HW + CHP * OUT_T
+    HA: tl.constexpr = HS + CHP * OUT_T
+    DA: tl.constexpr = HA + DEPTH * CHP * CHP
+    DR: tl.constexpr = DA + CHP * IN_T
+    DDL: tl.constexpr = DR + CHP * OUT_T
+    DM: tl.constexpr = DDL + CHP * OUT_T
+    DP: tl.constexpr = DM + CHP * OUT_T
+    NN: tl.constexpr = DP + CHP * OUT_T
+    return (scr + M, scr + R, scr + HW, scr + HS, scr + HA, scr + DA, scr + DR, scr + DDL, scr + DM, scr + DP,
+            scr + NN)
+
+
 # --- the kernels -------------------------------------------------------------------------------------------------
 
 
 # Triton compiles a kernel anew for an integer argument equal to 1 or divisible by 16; the sizes and the chunk range
 # change from call to call (a group of chunks, a batch of one), so they are left unspecialised: one compilation per
 # memory shape and rule.
-_RUN_TIME = ["BH", "seq", "num_chunks", "first_chunk", "last_chunk"]
+_RUN_TIME = ["BH", "seq", "num_chunks", "first_chunk", "last_chunk", "scr_row"]
 
 
 @triton.jit(do_not_specialize=_RUN_TIME + ["save_every"])
 def _forward_kernel(
     q_ptr, k_ptr, v_ptr, theta_ptr, gate_ptr, beta_ptr, c_ptr, D_ptr, E_last_ptr, e_last_ptr, params_ptr, radii_ptr,
-    w_ptr, s_ptr, saved_w, saved_s, y_ptr, scales_ptr,
-    h_scr, a_scr, p_scr, dl_scr, e_scr, aa_scr, dd_scr,
+    w_ptr, s_ptr, saved_w, saved_s, y_ptr, scales_ptr, scr_ptr, scr_row,
     BH, seq, num_chunks, first_chunk, last_chunk, save_every,
     D_IN: tl.constexpr, HID: tl.constexpr, D_OUT: tl.constexpr, DEPTH: tl.constexpr, CH: tl.constexpr,
     CHP: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr, ACT: tl.constexpr, RESIDUAL: tl.constexpr,
@@ -580,16 +635,9 @@ def _forward_kernel(
     hidden_step = tl.load(params_ptr + 1).to(DT)
     loss_p = tl.load(params_ptr + 2).to(DT)
     loss_eps = tl.load(params_ptr + 3).to(DT)
-    loss_delta = tl.load(params_ptr + 4).to(DT)
     wb = w_ptr + bh * TOT
     sb = s_ptr + bh * TOT
-    h_b = h_scr + bh * CHP * IN_T
-    a_b = a_scr + bh * CHP * IN_T
-    p_b = p_scr + bh * CHP * OUT_T
-    dl_b = dl_scr + bh * CHP * OUT_T
-    e_b = e_scr + bh * CHP * D_OUT
-    aa_b = aa_scr + bh * DEPTH * CHP * CHP
-    dd_b = dd_scr + bh * DEPTH * CHP * CHP
+    h_b, a_b, p_b, dl_b, e_b, aa_b, dd_b = _forward_parts(scr_ptr + bh * scr_row, CHP, IN_T, OUT_T, D_OUT, DEPTH)
     for j in range(first_chunk, last_chunk):
         if save_every > 0:
             if (j - first_chunk) % save_every == 0:
@@ -598,7 +646,7 @@ def _forward_kernel(
                             D_IN, HID, D_OUT, DEPTH, BK, BN, DT)
         theta_raw, gamma, beta, c, D, E_last, e_n, n_valid = _chunk_gates(
             theta_ptr, gate_ptr, beta_ptr, c_ptr, D_ptr, E_last_ptr, e_last_ptr, bh, j, seq, num_chunks, rows,
-            loss_delta, CH, GATED, DT)
+            params_ptr, CH, GATED, DT)
         last = n_valid - 1
         tok = bh * seq + j * CH
         _chunk_start(q_ptr + tok * D_IN, k_ptr + tok * D_IN, h_b, a_b, aa_b, n_valid, rows, rk, D_IN, IN_T, CHP, BK,
@@ -630,8 +678,7 @@ def _backward_kernel(
     q_ptr, k_ptr, v_ptr, theta_ptr, gate_ptr, beta_ptr, c_ptr, D_ptr, E_last_ptr, e_last_ptr, params_ptr,
     saved_w, saved_s, dy_ptr, dw_ptr, ds_ptr,
     dq_ptr, dk_ptr, dv_ptr, dtheta_ptr, dgate_ptr, dbeta_ptr, dc_ptr, dD_ptr, dE_last_ptr, de_last_ptr, scales_ptr,
-    h_scr, a_scr, p_scr, dl_scr, e_scr, aa_scr, dd_scr, m_scr, r_scr, hw_scr, hs_scr, ha_scr,
-    da_scr, dr_scr, ddl_scr, dm_scr, dp_scr, nn_scr,
+    scr_ptr, scr_row,
     BH, seq, num_chunks, first_chunk, last_chunk,
     D_IN: tl.constexpr, HID: tl.constexpr, D_OUT: tl.constexpr, DEPTH: tl.constexpr, CH: tl.constexpr,
     CHP: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr, ACT: tl.constexpr, RESIDUAL: tl.constexpr,
@@ -652,31 +699,12 @@ def _backward_kernel(
     rn = tl.arange(0, BN)
     fidx = tl.arange(0, 8)
     ONES = tl.full([8], 1.0, DT)
-    max_grad_norm = tl.load(params_ptr).to(DT)
-    hidden_step = tl.load(params_ptr + 1).to(DT)
-    loss_p = tl.load(params_ptr + 2).to(DT)
-    loss_eps = tl.load(params_ptr + 3).to(DT)
-    loss_delta = tl.load(params_ptr + 4).to(DT)
     dwb = dw_ptr + bh * TOT
     dsb = ds_ptr + bh * TOT
-    h_b = h_scr + bh * CHP * IN_T
-    a_b = a_scr + bh * CHP * IN_T
-    p_b = p_scr + bh * CHP * OUT_T
-    dl_b = dl_scr + bh * CHP * OUT_T
-    e_b = e_scr + bh * CHP * D_OUT
-    aa_b = aa_scr + bh * DEPTH * CHP * CHP
-    dd_b = dd_scr + bh * DEPTH * CHP * CHP
-    m_b = m_scr + bh * CHP * OUT_T
-    r_b = r_scr + bh * CHP * OUT_T
-    hw_b = hw_scr + bh * CHP * OUT_T
-    hs_b = hs_scr + bh * CHP * OUT_T
-    ha_b = ha_scr + bh * DEPTH * CHP * CHP
-    da_b = da_scr + bh * CHP * IN_T
-    dr_b = dr_scr + bh * CHP * OUT_T
-    ddl_b = ddl_scr + bh * CHP * OUT_T
-    dm_b = dm_scr + bh * CHP * OUT_T
-    dp_b = dp_scr + bh * CHP * OUT_T
-    nn_b = nn_scr + bh * 4 * CHP * CHP  # C, M, C ⊙ h aᵀ, ∂C
+    scr_b = scr_ptr + bh * scr_row  # the forward's parts, then the backward's
+    h_b, a_b, p_b, dl_b, e_b, aa_b, dd_b = _forward_parts(scr_b, CHP, IN_T, OUT_T, D_OUT, DEPTH)
+    m_b, r_b, hw_b, hs_b, ha_b, da_b, dr_b, ddl_b, dm_b, dp_b, nn_b = _backward_parts(scr_b, CHP, IN_T, OUT_T, D_OUT,
+                                                                                        DEPTH)
     for step_back in range(0, last_chunk - first_chunk):
         j = last_chunk - 1 - step_back
         slot = (j - first_chunk) * BH + bh
@@ -690,27 +718,36 @@ def _backward_kernel(
         # --- recompute the chunk's forward (passes A–C without the update), keeping what the backward reads ------
         theta_raw, gamma, beta, c, D, E_last, e_n, n_valid = _chunk_gates(
             theta_ptr, gate_ptr, beta_ptr, c_ptr, D_ptr, E_last_ptr, e_last_ptr, bh, j, seq, num_chunks, rows,
-            loss_delta, CH, GATED, DT)
+            params_ptr, CH, GATED, DT)
         last = n_valid - 1
         valid = (rows < n_valid)[:, None]
         tok = bh * seq + j * CH
         _chunk_start(q_ptr + tok * D_IN, k_ptr + tok * D_IN, h_b, a_b, aa_b, n_valid, rows, rk, D_IN, IN_T, CHP, BK,
                      PREC, DT)
         tl.debug_barrier()
+        # the loss's p and ε, read where they are used (held through the chunk, they were what spilled at chunks of 64)
+        loss_p = tl.load(params_ptr + 2).to(DT)
+        loss_eps = tl.load(params_ptr + 3).to(DT)
         _keys(wb, ONES, fidx, k_ptr + tok * D_IN, v_ptr + tok * D_OUT, e_b, a_b, p_b, dl_b, aa_b, dd_b, gamma,
               n_valid, rows, rk, rn, loss_p, loss_eps, D_IN, HID, D_OUT, DEPTH, IN_T, OUT_T, CHP, BK, BN, ACT,
               RESIDUAL, LOSS, PREC, DT)
         _deltas(wb, ONES, fidx, p_b, dl_b, m_b, dd_b, rows, rk, rn, D_IN, HID, D_OUT, DEPTH, OUT_T, CHP, BK, BN, ACT,
                 True, PREC, DT)
+        # the rule's numbers, read where they are used: each held through the chunk loop is a register,
+        # and at chunks of 64 those were what spilled
+        max_grad_norm = tl.load(params_ptr).to(DT)
+        hidden_step = tl.load(params_ptr + 1).to(DT)
         theta, scale, sq, norm, C, u_m = _step(theta_raw, D, E_last, aa_b, dd_b, rows, last, max_grad_norm, DEPTH,
                                                CHP, GRAD_BOUND, NORMALIZE, DT)
         # At chunks of 64 an n × n matrix is 16 registers a thread, and holding the step's (D, K, C, θ's factors)
-        # through the layer loop spilled: C and the layer's M, C ⊙ h aᵀ and ∂C wait in the scratch for the tile loops
-        # that read them, and step 3 recomputes the gates and the step (tests/memory/test_triton_compile.py).
+        # through the layer loop spilled: C, K and the layer's M, C ⊙ h aᵀ and ∂C wait in the scratch for the loops
+        # that read them, and step 3 re-reads the gates and θ's bound (tests/memory/test_triton_compile.py).
         u_w = _row(C, rows, last)
         beta_n = _entry(beta, rows, last)
         c_n = _entry(c, rows, last)
         _st(nn_b, C, rows, rows, CHP, CHP, CHP)
+        if NORMALIZE:
+            _st(nn_b + 4 * CHP * CHP, norm, rows, rows, CHP, CHP, CHP)
         tl.debug_barrier()
         _queries(wb, sb, ONES, fidx, h_b, a_b, dl_b, r_b, hw_b, hs_b, ha_b, dy_ptr, scales_ptr, params_ptr,
                  beta, c, nn_b, u_w, u_m, beta_n, c_n, e_n, hidden_step, n_valid, rows, rk, rn, D_IN, HID, D_OUT,
@@ -732,7 +769,7 @@ def _backward_kernel(
             OUT_OFF = i * HID
             PREV_OFF = (i > 0) * (i - 1) * HID
             ST = (i > 0) * (D_IN * HID + (i - 1) * HID * HID)
-            rho = tl.where(i < DEPTH - 1, hidden_step, 1.0)
+            rho = tl.where(i < DEPTH - 1, tl.load(params_ptr + 1).to(DT), 1.0)
             ph_w = _entry(PHI, fidx, i)
             ph_s = _entry(PHI, fidx, 4 + i)
             # r_d = ∂r ρδᵀ (r −= (C ⊙ h aᵀ) ρ δ), ∂β = Σ ∂r ⊙ h W⁰, ∂c = Σ ∂r ⊙ h S⁰
@@ -826,10 +863,11 @@ def _backward_kernel(
                                                                                    0.0)
         theta_raw, gamma, _, _, D, E_last, _, _ = _chunk_gates(
             theta_ptr, gate_ptr, beta_ptr, c_ptr, D_ptr, E_last_ptr, e_last_ptr, bh, j, seq, num_chunks, rows,
-            loss_delta, CH, GATED, DT)
-        theta, scale, sq, norm, _, _ = _step(theta_raw, D, E_last, aa_b, dd_b, rows, last, max_grad_norm, DEPTH, CHP,
-                                             GRAD_BOUND, NORMALIZE, DT)
+            params_ptr, CH, GATED, DT)
+        max_grad_norm = tl.load(params_ptr).to(DT)
+        theta, scale, sq = _bounded_theta(theta_raw, aa_b, dd_b, rows, max_grad_norm, DEPTH, CHP, GRAD_BOUND, DT)
         if NORMALIZE:  # K is a constant to the outer gradient
+            norm = _ld(nn_b + 4 * CHP * CHP, rows, rows, CHP, CHP, CHP, DT)
             d_C = d_C * norm
             d_u_m = d_u_m * _row(norm, rows, last)
         d_th = tl.sum(d_C * D, 0) + d_u_m * E_last
@@ -846,8 +884,8 @@ def _backward_kernel(
                 W_OUT = HID + (D_OUT - HID) * (i == DEPTH - 1)
                 IN_OFF = (i > 0) * (D_IN + (i - 1) * HID)
                 OUT_OFF = i * HID
-                sa = _diag(_ld(aa_b + i * CHP * CHP, rows, rows, CHP, CHP, CHP, DT), rows)
-                sd = _diag(_ld(dd_b + i * CHP * CHP, rows, rows, CHP, CHP, CHP, DT), rows)
+                sa = _ld_diag(aa_b + i * CHP * CHP, rows, CHP, DT)
+                sd = _ld_diag(dd_b + i * CHP * CHP, rows, CHP, DT)
                 for ji in range(0, (W_IN + BK - 1) // BK):
                     kk = ji * BK + rk
                     da = _ld(da_b + IN_OFF, rows, kk, CHP, W_IN, IN_T, DT) \
@@ -891,6 +929,8 @@ def _backward_kernel(
         # the loss: δ_L = g(e), e = M(k) − v, so ∂e = ∂δ_L ⊙ g'(e), ∂v = −∂e, ∂γ = Σ_j ∂δ_L ⊙ ∂g/∂γ
         LAST_OFF = (DEPTH - 1) * HID
         d_gamma = tl.zeros([CHP], DT)
+        loss_p = tl.load(params_ptr + 2).to(DT)
+        loss_eps = tl.load(params_ptr + 3).to(DT)
         for jo in range(0, (D_OUT + BN - 1) // BN):
             cols = jo * BN + rn
             ddl = _ld(ddl_b + LAST_OFF, rows, cols, CHP, D_OUT, OUT_T, DT)
@@ -968,11 +1008,11 @@ def _padded_decays(eta: Tensor, alpha: Tensor, chunk_size: int) -> ChunkDecays:
 
 
 class Launch(NamedTuple):
-    """What a call's kernels are compiled for (constexprs and launch options, `forward_options` the forward's own)
-    and the numbers they read at run time."""
+    """What a call's kernels are compiled for (constexprs and launch options) and the numbers they read at run
+    time."""
 
     constexprs: dict
-    forward_options: dict
+    options: dict  # the register ceiling (`Tiles.maxnreg`), where there is one
     params: Tensor  # [max_grad_norm, ρ, p, ε, δ] in the state's dtype
     radii: Tensor  # max_state_norm · √d_out of each layer
 
@@ -1017,8 +1057,8 @@ def launch_of(cfg: ScanConfig, geo: Geometry, q: Tensor, state_dtype: torch.dtyp
     )
     values = [rule.max_grad_norm or 0.0, rule.hidden_step, p, eps, delta]
     radii = [(rule.max_state_norm or 0.0) * w ** 0.5 for _, w in geo.layer_shapes()]
-    forward = {"maxnreg": tiles.forward_maxnreg} if tiles.forward_maxnreg else {}
-    return Launch(constexprs, forward, _filled(values, state_dtype, device), _filled(radii, state_dtype, device))
+    options = {"maxnreg": tiles.maxnreg} if tiles.maxnreg else {}
+    return Launch(constexprs, options, _filled(values, state_dtype, device), _filled(radii, state_dtype, device))
 
 
 def _filled(values: list[float], dtype: torch.dtype, device) -> Tensor:
@@ -1043,62 +1083,25 @@ def _unpack(flat: Tensor, geo: Geometry) -> list[Tensor]:
     return out
 
 
-class Scratch(NamedTuple):
-    """A program's per-chunk working memory, one row per batch·head."""
-
-    h: Tensor
-    a: Tensor
-    p: Tensor
-    dl: Tensor
-    e: Tensor
-    aa: Tensor
-    dd: Tensor
-
-
-class BackwardScratch(NamedTuple):
-    """What the backward pass adds: the recomputed forward's m_i, r_i, h_i W⁰, h_i S⁰, h_i a_iᵀ, and the gradients
-    ∂a_i, ∂r_i, ∂δ_i, ∂m_i, ∂p_i."""
-
-    m: Tensor
-    r: Tensor
-    hw: Tensor
-    hs: Tensor
-    ha: Tensor
-    da: Tensor
-    dr: Tensor
-    ddl: Tensor
-    dm: Tensor
-    dp: Tensor
-    nn: Tensor  # the chunk's n × n matrices C, M, C ⊙ h aᵀ, ∂C (the kernel's comment says why not in registers)
-
-
-def _scratch(geo: Geometry, bh: int, chp: int, like: Tensor) -> Scratch:
-    def buf(*shape):
-        return like.new_zeros((bh, *shape))
-
-    return Scratch(buf(chp, geo.in_total), buf(chp, geo.in_total), buf(chp, geo.out_total), buf(chp, geo.out_total),
-                   buf(chp, geo.d_out), buf(geo.depth, chp, chp), buf(geo.depth, chp, chp))
-
-
-def _backward_scratch(geo: Geometry, bh: int, chp: int, like: Tensor) -> BackwardScratch:
-    def out_family():
-        return like.new_zeros((bh, chp, geo.out_total))
-
-    return BackwardScratch(out_family(), out_family(), out_family(), out_family(),
-                           like.new_zeros((bh, geo.depth, chp, chp)), like.new_zeros((bh, chp, geo.in_total)),
-                           out_family(), out_family(), out_family(), out_family(),
-                           like.new_zeros((bh, 4, chp, chp)))
+def _scratch(geo: Geometry, bh: int, chp: int, like: Tensor, backward: bool = False) -> Tensor:
+    """A program's per-chunk working memory, one row per batch·head, laid out as `_forward_parts` (and, for the
+    backward kernel, `_backward_parts` after it) read it: the sizes here are theirs."""
+    n_in, n_out, n_n = chp * geo.in_total, chp * geo.out_total, geo.depth * chp * chp
+    row = 2 * n_in + 2 * n_out + chp * geo.d_out + 2 * n_n
+    if backward:
+        row += 8 * n_out + n_n + n_in + 5 * chp * chp
+    return like.new_zeros((bh, row))
 
 
 def _run_forward(launch: Launch, q, k, v, theta, gate, dec: ChunkDecays, w, s, saved: Optional[list[Tensor]],
-                 save_every: int, y, scales, scratch: Scratch, chunks: range) -> None:
+                 save_every: int, y, scales, scratch: Tensor, chunks: range) -> None:
     """The forward kernel over `chunks`, the state (w, s) updated in place."""
     bh, seq = q.shape[0], q.shape[1]
     _forward_kernel[(bh,)](
         q, k, v, theta, gate, *dec, launch.params, launch.radii, w, s, *(saved or (w, s)), y,
-        launch.params if scales is None else scales, *scratch,
+        launch.params if scales is None else scales, scratch, scratch.shape[1],
         bh, seq, dec.beta.shape[1], chunks.start, chunks.stop, save_every, **launch.constexprs,
-        **launch.forward_options)
+        **launch.options)
 
 
 class TritonChunk(torch.autograd.Function):
@@ -1170,8 +1173,7 @@ class TritonChunk(torch.autograd.Function):
         dy = q.new_zeros(q.shape[:2] + (v.shape[2],)) if dy is None else dy.contiguous()
         d_q, d_k, d_v, d_theta = (torch.empty_like(t) for t in (q, k, v, theta))
         d_gate = torch.zeros_like(gate)
-        scratch = _scratch(geo, bh, chp, saved_w[0])
-        extra = _backward_scratch(geo, bh, chp, saved_w[0])
+        scratch = _scratch(geo, bh, chp, saved_w[0], backward=True)
         groups = ctx.groups
         if len(groups) > 1:
             group_w = saved_w.new_empty((len(groups[0]), *saved_w.shape[1:]))
@@ -1188,7 +1190,8 @@ class TritonChunk(torch.autograd.Function):
             _backward_kernel[(bh,)](
                 q, k, v, theta, gate, *dec, launch.params, *starts, dy, dw, ds,
                 d_q, d_k, d_v, d_theta, d_gate, *d_dec, launch.params if ctx.scales is None else ctx.scales,
-                *scratch, *extra, bh, q.shape[1], dec.beta.shape[1], chunks.start, chunks.stop, **launch.constexprs)
+                scratch, scratch.shape[1], bh, q.shape[1], dec.beta.shape[1], chunks.start, chunks.stop,
+                **launch.constexprs, **launch.options)
         d_eta, d_alpha = torch.autograd.grad(list(graph), (eta_, alpha_), list(d_dec))
         d_state = [t for pair in zip(_unpack(dw, geo), _unpack(ds, geo)) for t in pair]
         return (None, None, None, d_q, d_k, d_v, d_theta, d_gate if ctx.gated else None, d_eta, d_alpha, *d_state)
