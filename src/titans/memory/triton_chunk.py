@@ -277,9 +277,9 @@ def choose_tiles(geo: Geometry, dtype: torch.dtype, chunk_size: int = 16) -> Til
     element per thread keeps every product within 255 registers. Both kernels at chunks of up to 32 tokens get an
     explicit ceiling of 255: without it ptxas held the default model memory's forward (64 × 256, chunk 16) to 128
     registers and spilled 212 bytes, and the depth-4 memory's backward 152; with it, none. At 64, left to ptxas, the
-    backward spills least (8 bytes; 392 under the ceiling). Both kernels compile for sm_90 and sm_80 without a spilled
-    register at chunks of up to 32 (tests/memory/test_triton_compile.py reads ptxas's report); at 64 the backward
-    under the normalised chunk step spills 8 bytes (it was 880 before its n × n matrices moved to the scratch)."""
+    backward does best without one (392 bytes spilled under it). Both kernels compile for sm_90 and sm_80 without a
+    spilled register at every chunk size (tests/memory/test_triton_compile.py reads ptxas's report); the backward at
+    64 spilled 880 bytes before its n × n matrices and long-lived values left the registers (the kernel says how)."""
     return Tiles(16, 16, 8, 1, 255 if _pow2(chunk_size) <= 32 else None)
 
 
@@ -676,7 +676,7 @@ def _forward_kernel(
 @triton.jit(do_not_specialize=_RUN_TIME)
 def _backward_kernel(
     q_ptr, k_ptr, v_ptr, theta_ptr, gate_ptr, beta_ptr, c_ptr, D_ptr, E_last_ptr, e_last_ptr, params_ptr,
-    saved_w, saved_s, dy_ptr, dw_ptr, ds_ptr,
+    saved_w, saved_s, dy_ptr, d_state_ptr,
     dq_ptr, dk_ptr, dv_ptr, dtheta_ptr, dgate_ptr, dbeta_ptr, dc_ptr, dD_ptr, dE_last_ptr, de_last_ptr, scales_ptr,
     scr_ptr, scr_row,
     BH, seq, num_chunks, first_chunk, last_chunk,
@@ -686,9 +686,9 @@ def _backward_kernel(
     GATED: tl.constexpr, PREC: tl.constexpr, PREC_STATE: tl.constexpr, DT: tl.constexpr,
 ):
     """Chunks [first_chunk, last_chunk) of row bh in reverse (`fused._chunk_backward`, tile by tile), from their
-    starting states in saved_* (one slot per chunk): dw/ds hold the gradient of the state after the last of them on
-    entry and that of the state before the first on exit (updated in place). Writes the chunks' rows of ∂q, ∂k, ∂v,
-    ∂θ, the loss gate's gradient and the decays' gradients."""
+    starting states in saved_* (one slot per chunk): d_state ([BH, 2, TOT]: ∂W, ∂S) holds the gradient of the state
+    after the last of them on entry and that of the state before the first on exit (updated in place). Writes the
+    chunks' rows of ∂q, ∂k, ∂v, ∂θ, the loss gate's gradient and the decays' gradients."""
     bh = tl.program_id(0).to(tl.int64)
     TOT: tl.constexpr = D_IN * HID * (DEPTH > 1) + (DEPTH - 2) * HID * HID * (DEPTH > 2) + HID * D_OUT * (DEPTH > 1) \
         + D_IN * D_OUT * (DEPTH == 1)
@@ -699,8 +699,8 @@ def _backward_kernel(
     rn = tl.arange(0, BN)
     fidx = tl.arange(0, 8)
     ONES = tl.full([8], 1.0, DT)
-    dwb = dw_ptr + bh * TOT
-    dsb = ds_ptr + bh * TOT
+    dwb = d_state_ptr + bh * (2 * TOT)  # ∂W and ∂S of the row side by side: one pointer held, ∂S at a fixed offset
+    dsb = dwb + TOT
     scr_b = scr_ptr + bh * scr_row  # the forward's parts, then the backward's
     h_b, a_b, p_b, dl_b, e_b, aa_b, dd_b = _forward_parts(scr_b, CHP, IN_T, OUT_T, D_OUT, DEPTH)
     m_b, r_b, hw_b, hs_b, ha_b, da_b, dr_b, ddl_b, dm_b, dp_b, nn_b = _backward_parts(scr_b, CHP, IN_T, OUT_T, D_OUT,
@@ -1169,7 +1169,7 @@ class TritonChunk(torch.autograd.Function):
                                else g.to(saved_w.dtype).reshape(bh, -1)) for g, (a, b) in zip(grads, shapes)],
                              dim=1).contiguous()
 
-        dw, ds = packed(d_final[0::2]), packed(d_final[1::2])
+        d_state = torch.stack([packed(d_final[0::2]), packed(d_final[1::2])], 1)  # [BH, 2, TOT]: ∂W, ∂S
         dy = q.new_zeros(q.shape[:2] + (v.shape[2],)) if dy is None else dy.contiguous()
         d_q, d_k, d_v, d_theta = (torch.empty_like(t) for t in (q, k, v, theta))
         d_gate = torch.zeros_like(gate)
@@ -1188,12 +1188,12 @@ class TritonChunk(torch.autograd.Function):
                              ctx.scales, scratch, chunks)
                 starts = (group_w, group_s)
             _backward_kernel[(bh,)](
-                q, k, v, theta, gate, *dec, launch.params, *starts, dy, dw, ds,
+                q, k, v, theta, gate, *dec, launch.params, *starts, dy, d_state,
                 d_q, d_k, d_v, d_theta, d_gate, *d_dec, launch.params if ctx.scales is None else ctx.scales,
                 scratch, scratch.shape[1], bh, q.shape[1], dec.beta.shape[1], chunks.start, chunks.stop,
                 **launch.constexprs, **launch.options)
         d_eta, d_alpha = torch.autograd.grad(list(graph), (eta_, alpha_), list(d_dec))
-        d_state = [t for pair in zip(_unpack(dw, geo), _unpack(ds, geo)) for t in pair]
+        d_state = [t for pair in zip(_unpack(d_state[:, 0], geo), _unpack(d_state[:, 1], geo)) for t in pair]
         return (None, None, None, d_q, d_k, d_v, d_theta, d_gate if ctx.gated else None, d_eta, d_alpha, *d_state)
 
 
