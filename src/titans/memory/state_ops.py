@@ -69,10 +69,10 @@ class Reads(NamedTuple):
 
 class Momentum(NamedTuple):
     """The momentum's part of a `combine`: `+ c S` in `out`, and with `out2` (e, G2) also `out2 = e S + α Aᵀ G2`
-    from the same reads of S."""
+    from the same reads of S. `Momentum()`: none (out = β W + α Aᵀ G)."""
 
-    S: Tensor
-    c: Tensor
+    S: Optional[Tensor] = None
+    c: Optional[Tensor] = None
     out2: Optional[Tensor] = None
     e: Optional[Tensor] = None
     G2: Optional[Rows] = None
@@ -88,11 +88,8 @@ class Wanted(NamedTuple):
     Q: Optional[Tensor] = None
 
 
-NO_MOMENTUM = Momentum(None, None)  # type: ignore[arg-type]  (S and c absent: out = β W + α Aᵀ G)
-
-
 def combine_reference(out: Tensor, W: Tensor, beta: Tensor, A: Rows, G: Rows, alpha: float,
-                      momentum: Momentum = NO_MOMENTUM, wanted: Wanted = Wanted()) -> Reads:
+                      momentum: Momentum = Momentum(), wanted: Wanted = Wanted()) -> Reads:
     S, c, out2, e, G2 = momentum
     dots_with, x, gt, Q = wanted
     A, G, G2 = (torch.cat(t, 1) if isinstance(t, (list, tuple)) else t for t in (A, G, G2))
@@ -308,7 +305,7 @@ def weight_grad(out: Tensor, d_new_W: Tensor, beta_n: Tensor, left: Rows, right:
     return combine(out, d_new_W, beta_n, left, right, 1.0, wanted=Wanted(dots_with=W)).dots[:, 0]
 
 
-def combine(out: Tensor, W: Tensor, beta: Tensor, A: Rows, G: Rows, alpha: float, momentum: Momentum = NO_MOMENTUM,
+def combine(out: Tensor, W: Tensor, beta: Tensor, A: Rows, G: Rows, alpha: float, momentum: Momentum = Momentum(),
             wanted: Wanted = Wanted()) -> Reads:
     """`out = β W (+ c S) + α Aᵀ G` with per-batch β, c (one value per batch element, any shape), A `[batch, n, K]`,
     G `[batch, n, N]`, each a tensor or a list of blocks of its rows (block j of A and of G with the same rows: the
