@@ -21,12 +21,13 @@ def test_quick_run_writes_one_json_per_benchmark_and_the_summary(tmp_path):
         assert record["benchmark"] == name and record["quick"] and record["command"].startswith("titans bench gpu")
         assert {"torch", "triton", "gpu", "device"} <= set(record["environment"])
     layer = json.loads((tmp_path / "layer.json").read_text())["results"]
-    assert {p["kind"] for p in layer} >= {"titans", "sdpa"} and all(p["status"] == "ok" for p in layer)
+    assert {p["kind"] for p in layer} >= {"titans", "titans-channels", "sdpa"}
+    assert all(p["status"] == "ok" for p in layer)
     assert all(p["fwd_bwd_tok_s"] > 0 for p in layer)
     model = json.loads((tmp_path / "model.json").read_text())["results"]
     assert [p["variant"] for p in model] == ["transformer", "lmm", "mac", "mag", "mal"]
     table = summary(tmp_path)
-    assert "x SDPA" in table and "model T 64: transformer" in table
+    assert "x SDPA" in table and "α per channel" in table and "model T 64: transformer" in table
     assert table in result.output  # the table the command prints last
 
 

@@ -209,15 +209,18 @@ def test_double_backward_is_refused_even_for_a_loss_linear_in_y():
 
 def test_which_implementation_serves_a_call():
     """The rule in one place: CPU tensors take "fused" by default (CUDA tensors "triton" where it serves them), a
-    callable θ and a channel-wise α "autograd", and "triton" asked for where the kernels cannot serve the call is an
-    error that names why."""
+    callable θ "autograd", a channel-wise α the kernels or "autograd", and "triton" asked for where the kernels cannot
+    serve the call is an error that names why."""
     q, k, v, theta, eta, alpha, weights, momentum = inputs(5, 4)
     assert serving_implementation(None, q, theta, alpha, weights) == "fused"
     if DEVICE == "cuda":
         assert serving_implementation(None, q.cuda(), theta, alpha, [w.cuda() for w in weights]) == "triton"
     assert serving_implementation("triton", q, lambda *a: theta, alpha, weights) == "autograd"
     channels = tuple(alpha.unsqueeze(-1).expand(*alpha.shape, w.shape[-1]) for w in weights)
-    assert serving_implementation("triton", q, theta, channels, weights) == "autograd"
+    # a channel-wise α: the kernels or the autograd path (the fused scan takes the scalar gate only)
+    assert serving_implementation(None, q, theta, channels, weights) == "autograd"
+    assert serving_implementation("fused", q, theta, channels, weights) == "autograd"
+    assert serving_implementation("triton", q.to(DEVICE), theta, channels, [w.to(DEVICE) for w in weights]) == "triton"
     # where the kernels run (the interpreter's CPU tensors, else CUDA's), what they cannot serve
     q, theta, alpha = (t.to(DEVICE) for t in (q, theta, alpha))
     weights = [t.to(DEVICE) for t in weights]

@@ -21,10 +21,11 @@ import triton  # noqa: E402
 
 from titans.memory import triton_chunk  # noqa: E402
 
-from .test_functional import with_grad  # noqa: E402
+from .test_functional import channel_alpha, with_grad  # noqa: E402
 from .test_triton import BOUNDS, inputs, on_device, outputs_and_grads  # noqa: E402
 
 KERNELS = ("_forward_kernel", "_backward_kernel")
+SPILL_CHANNELS_64 = 512  # bytes: the one variant that spills (measured 36 forward, 296 / 352 backward)
 TRITON_TYPES = {torch.float32: "fp32", torch.float64: "fp64", torch.bfloat16: "bf16", torch.float16: "fp16",
                 torch.int32: "i32", torch.int64: "i64"}
 
@@ -67,12 +68,15 @@ class LaunchRecorder:
         return launch
 
 
-def model_geometries() -> list[tuple[dict, dict, int]]:
+def model_geometries(channels: bool = False) -> list[tuple[dict, dict, int]]:
     """(constexprs, launch options, GPU) of real models' memories as the kernels compile them: a depth-2 memory of
     expansion 4 on heads of 64 and 128 (the benchmark's 64 × 256 and 128 × 512) and a depth-4 one, at the default
-    chunk of 16 and at 32, for sm_90 and for sm_80; and at the largest chunk, 64."""
+    chunk of 16 and at 32, for sm_90 and for sm_80; and at the largest chunk, 64. With α per channel (a variant of
+    its own), the depth-2 memories on sm_90 at chunks of 16 and 64."""
     cases = [(64, 256, 2, 16, 90), (128, 512, 2, 16, 90), (64, 256, 4, 16, 90), (64, 256, 2, 32, 90),
              (64, 256, 2, 16, 80), (128, 512, 2, 16, 80), (64, 256, 2, 64, 90)]
+    if channels:
+        cases = [(64, 256, 2, 16, 90), (128, 512, 2, 16, 90), (64, 256, 2, 64, 90)]
     shapes = []
     for d, hidden, depth, chunk, arch in cases:
         geo = triton_chunk.Geometry(depth, d, hidden, d)
@@ -89,20 +93,26 @@ def test_the_kernels_compile_for_h100_and_a100(monkeypatch, tmp_path):
     """What the interpreter lets through, a GPU's compiler need not: a compiled kernel reads a module global only as a
     tl.constexpr, a constexpr is assigned once, a program must fit the chip's shared memory, and registers spilled
     in the chunk loop go through local memory on every chunk. So the kernels, as a model trains them (bf16 inputs,
-    a float32 state, the default rule, at real memory sizes), are compiled by triton's compiler and ptxas for sm_90
-    (H100, H200) and sm_80 (A100): every variant asks for at most the chip's shared memory and spills no register,
-    the backward at chunks of 64 included (it spilled 880 bytes before its n × n matrices left the registers)."""
+    a float32 state, the default rule, at real memory sizes, with the paper's scalar α and with α per channel), are
+    compiled by triton's compiler and ptxas for sm_90 (H100, H200) and sm_80 (A100): every variant asks for at most
+    the chip's shared memory and spills no register, the backward at chunks of 64 included (it spilled 880 bytes
+    before its n × n matrices left the registers), except α per channel at chunks of 64, whose spill is held under
+    SPILL_CHANNELS_64."""
     pytest.importorskip("triton.backends.nvidia.compiler", reason="triton has no CUDA backend here")
     launches = []
     for name in KERNELS:
         monkeypatch.setattr(triton_chunk, name, LaunchRecorder(name, getattr(triton_chunk, name), launches))
-    trained = on_device(inputs(11, 2), torch.float32)
-    trained[:3] = [t.bfloat16() for t in trained[:3]]
-    outputs_and_grads(with_grad(trained), "triton", chunk_size=4, normalize_chunk=True, **BOUNDS)
-    assert {launch["kernel"] for launch in launches} == set(KERNELS)
+    for alpha in ("scalar", "channels"):
+        trained = on_device(inputs(11, 2), torch.float32)
+        if alpha == "channels":
+            trained = channel_alpha(trained)
+        trained[:3] = [t.bfloat16() for t in trained[:3]]
+        outputs_and_grads(with_grad(trained), "triton", chunk_size=4, normalize_chunk=True, **BOUNDS)
+    assert {(launch["kernel"], launch["constexprs"]["CHANNELS"]) for launch in launches} == \
+        {(name, channels) for name in KERNELS for channels in (False, True)}
     to_compile = []
     for launch in launches:
-        for shape, options, arch in model_geometries():
+        for shape, options, arch in model_geometries(launch["constexprs"]["CHANNELS"]):
             constexprs = {name: value for name, value in launch["constexprs"].items()
                           if name not in ("num_warps", "num_stages")}
             to_compile.append(dict(launch, constexprs={**constexprs, **shape}, arch=arch, **options))
@@ -116,4 +126,10 @@ def test_the_kernels_compile_for_h100_and_a100(monkeypatch, tmp_path):
         where = (launch["kernel"], launch["arch"], launch["constexprs"])
         assert "error" not in result, (where, result.get("error"))
         assert result["shared"] <= triton_chunk.SHARED_MEMORY_LIMIT[launch["arch"]], (where, result["shared"])
-        assert result["spill_stores"] == 0 and result["spill_loads"] == 0, (where, result)
+        if launch["constexprs"]["CHANNELS"] and launch["constexprs"]["CH"] == 64:
+            # Known and open (docs/bench/gpu/NOTES.md): with α per channel at chunks of 64 the r-loop's n × n
+            # matrices (16 registers a thread each) do not all fit beside the rest; the spill is held where it is.
+            assert result["spill_stores"] <= SPILL_CHANNELS_64 and result["spill_loads"] <= SPILL_CHANNELS_64, \
+                (where, result)
+        else:
+            assert result["spill_stores"] == 0 and result["spill_loads"] == 0, (where, result)

@@ -12,7 +12,7 @@ set -u
 export PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1
 ROOT=$PWD
 OUT=${OUT:-/tmp/titans-gpu}
-PY=python3; QUICK=""; TESTS="tests/test_cuda.py tests/memory/test_triton.py"; WORKERS=8
+PY=python3; QUICK=""; TESTS="tests/test_cuda.py tests/memory/test_triton.py tests/memory/test_triton_channels.py"; WORKERS=8
 if [ "${DRY:-0}" = 1 ]; then
   PY=$ROOT/.venv/bin/python; QUICK="--quick --device cpu"; WORKERS=2; export TRITON_INTERPRET=1
   TESTS="tests/test_cuda.py tests/memory/test_triton.py::test_no_grad_forward_matches_the_recorded_one"

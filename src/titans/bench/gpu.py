@@ -192,8 +192,9 @@ def layer_point(kind: str, dim: int, heads: int, seq: int, batch: int, device: t
 
     def run() -> dict[str, Any]:
         torch.manual_seed(0)
-        if kind == "titans":
-            layer = NeuralMemory(dim, heads=heads, depth=2, expansion=4, chunk_size=16)
+        if kind in ("titans", "titans-channels"):  # the paper's scalar α, or α per output column of each layer
+            rule = MemoryRule(forgetting_channels=kind == "titans-channels")
+            layer = NeuralMemory(dim, heads=heads, depth=2, expansion=4, chunk_size=16, rule=rule)
         elif kind == "sdpa":
             layer = CausalAttention(dim, heads)
         else:
@@ -210,7 +211,7 @@ def layer_point(kind: str, dim: int, heads: int, seq: int, batch: int, device: t
 
         seconds = timed(step, device, warmup, repeats)
         result = dict(seconds=seconds, fwd_bwd_tok_s=round(batch * seq / seconds), peak_mib=peak_mib(device))
-        if kind == "titans":
+        if kind in ("titans", "titans-channels"):
             head = dim // heads
             geo = Geometry(2, head, head * 4, head)
             groups = seq // 16 > 64  # NeuralMemory recomputes groups of chunks beyond 64 chunks
@@ -224,7 +225,7 @@ def layer_point(kind: str, dim: int, heads: int, seq: int, batch: int, device: t
 def layers(device: torch.device, quick: bool, warmup: int, repeats: int) -> list[dict[str, Any]]:
     widths = QUICK_LAYER_WIDTHS if quick else LAYER_WIDTHS
     lengths = QUICK_LAYER_LENGTHS if quick else LAYER_LENGTHS
-    kinds = ["titans", "sdpa"]
+    kinds = ["titans", "titans-channels", "sdpa"]
     try:
         import titans_pytorch  # noqa: F401
         kinds.append("titans-pytorch")
@@ -234,8 +235,10 @@ def layers(device: torch.device, quick: bool, warmup: int, repeats: int) -> list
     for dim, heads in widths:
         for seq, batch in lengths:
             for kind in kinds:
-                if kind == "titans-pytorch" and (dim, heads) != widths[0]:
-                    continue  # the reference at the issue's main width only: it is slow, and the time is short
+                if kind in ("titans-pytorch", "titans-channels") and (dim, heads) != widths[0]:
+                    continue  # the reference and α per channel at the issue's main width only: the time is short
+                if kind == "titans-channels" and seq != lengths[0][0]:
+                    continue
                 point = layer_point(kind, dim, heads, seq, batch, device, warmup, repeats)
                 while kind == "titans-pytorch" and point["status"] == "out of memory" and point["batch"] > 1:
                     # the largest batch it fits, as the issue asks ("or the largest it fits; say which")
@@ -458,6 +461,8 @@ def summary(folder: Path) -> str:
         tflops = _rate(layer, "kernel_tflops", kind="titans", dim=dim, seq=seq)
         ratio = f"{ours / sdpa:.2f}x SDPA" if ours and sdpa else "no ratio"
         vs_ref = f", {ours / ref:.1f}x titans-pytorch (batch {ref_batch})" if ours and ref else ""
+        channels = _rate(layer, "fwd_bwd_tok_s", kind="titans-channels", dim=dim, seq=seq)
+        vs_ref += f", α per channel {channels / ours:.2f}x the scalar α's tok/s" if ours and channels else ""
         share = f", kernels {tflops} TFLOP/s = {tflops / mm['fp32_tflops']:.0%} of fp32 matmul" if tflops and mm.get(
             "fp32_tflops") else ""
         lines.append(f"layer dim {dim} heads {heads} T {seq}: titans {ours} tok/s, SDPA {sdpa}: {ratio}{vs_ref}"

@@ -54,10 +54,15 @@ def _masked_exp_cumdiff(log_factors: Tensor) -> Tensor:
     return torch.exp(sums.masked_fill(~causal, float("-inf")))
 
 
+def log_keep(alpha: Tensor) -> Tensor:
+    """log(1 − α), floored (`_safe_log`): what every decay of the forgetting gate is a sum of."""
+    return _safe_log(1.0 - alpha)
+
+
 def forget_decays(alpha: Tensor) -> tuple[Tensor, Tensor]:
     """(β, B) of the forgetting gate alone: β_t = Π_{j≤t}(1 − α_j), B[t,r] = Π_{r<j≤t}(1 − α_j) (lower triangular)."""
-    log_keep = _safe_log(1.0 - alpha)
-    return torch.exp(torch.cumsum(log_keep, dim=-1)), _masked_exp_cumdiff(log_keep)
+    keeps = log_keep(alpha)
+    return torch.exp(torch.cumsum(keeps, dim=-1)), _masked_exp_cumdiff(keeps)
 
 
 def momentum_decays(eta: Tensor) -> tuple[Tensor, Tensor]:

@@ -207,6 +207,8 @@ def _scan_memory(scan: type[torch.autograd.Function], tokens: Tokens, weights: W
     `ScanConfig`, then q, k, v, θ, η, α, the loss's gate or None, and the state), which work on `[batch·heads, …]`
     contiguous tensors."""
     batch, heads = tokens.k.shape[:2]
+    if not isinstance(tokens.alpha, Tensor):  # α per channel (the Triton scan): every layer's columns side by side
+        tokens = tokens._replace(alpha=torch.cat(tokens.alpha, dim=-1))
     inputs = [None if t is None else t.reshape(batch * heads, *t.shape[2:]).contiguous() for t in tokens]
     state = [t.reshape(batch * heads, *t.shape[2:]).contiguous() for pair in zip(weights, momentum) for t in pair]
     record = torch.is_grad_enabled() and any(t.requires_grad for t in inputs + state if t is not None)
@@ -278,12 +280,15 @@ def serving_implementation(implementation: Optional[str], q: Tensor, theta: Thet
 
     None picks "triton" where the kernels serve the call (CUDA tensors, triton installed, memory depth 1 to 4, chunks
     of at most 64 tokens, a loss they compute: `triton_chunk.unsupported`), else "fused"; "compile" runs only when
-    asked for. A callable θ (evaluated per chunk on the chunk's surprise), a channel-wise α and an empty sequence
-    always take "autograd". "triton" or "compile" asked for where it cannot serve the call is an error naming why,
-    not a silent fallback."""
+    asked for. A callable θ (evaluated per chunk on the chunk's surprise) and an empty sequence always take
+    "autograd"; so does a channel-wise α wherever the Triton kernels do not run it (the fused scan and the compiled
+    step take the scalar gate only). "triton" or "compile" asked for where it cannot serve the call is an error naming
+    why, not a silent fallback."""
     if implementation is not None and implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None, got {implementation!r}")
-    if not isinstance(theta, Tensor) or not isinstance(alpha, Tensor) or q.shape[2] == 0:
+    if not isinstance(theta, Tensor) or q.shape[2] == 0:
+        return "autograd"
+    if not isinstance(alpha, Tensor) and implementation not in (None, "triton"):
         return "autograd"
     if implementation == "compile" and (reason := compile_unavailable(q.device.type)) is not None:
         raise ValueError(f"implementation='compile' cannot serve this call: {reason}")
@@ -295,13 +300,13 @@ def serving_implementation(implementation: Optional[str], q: Tensor, theta: Thet
             raise ValueError(f"implementation='triton' cannot serve this call: {reason}")
     if implementation is None:  # triton is imported only for CUDA tensors
         if not q.is_cuda:
-            return "fused"
+            return "fused" if isinstance(alpha, Tensor) else "autograd"
         scan = _triton_scan()
         reason = "triton is not installed (pip install 'titans[gpu]')" if scan is None else \
             scan.unsupported(q, weights, chunk_size, rule)
         if reason is not None:
             _warn_fallback(reason)
-            return "fused"
+            return "fused" if isinstance(alpha, Tensor) else "autograd"
         return "triton"
     return implementation
 
@@ -310,8 +315,8 @@ def serving_implementation(implementation: Optional[str], q: Tensor, theta: Thet
 def _warn_fallback(reason: str) -> None:
     """One warning per reason (not per call: a model calls the memory once per layer and step) that a CUDA call runs
     the fused chunk loop, which on a GPU is Python driving small kernels, because the Triton kernels cannot serve it."""
-    warnings.warn(f"the memory runs the fused chunk loop on this CUDA call, much slower than the Triton kernels, "
-                  f"which cannot serve it: {reason}", stacklevel=3)
+    warnings.warn(f"the memory runs the fused chunk loop (with α per channel, the autograd one) on this CUDA call, "
+                  f"much slower than the Triton kernels, which cannot serve it: {reason}", stacklevel=3)
 
 
 @without_autocast
@@ -340,7 +345,8 @@ def parallel_memory(
             a gate of exactly η_t = 0 or α_t = 1 gets a zero gradient (values stay exact).
             Or α per channel: a tuple with one `[batch, heads, seq, d_out]` tensor per memory layer, layer i's
             output column j keeping (1 − α_t[i][j]) of its weights (the paper's later channel-wise forgetting; the
-            autograd path serves it, the fused kernels take the scalar gate only).
+            Triton kernels and the autograd path serve it, the fused scan and the compiled step take the scalar gate
+            only).
         weights: tuple of `[batch, heads, d_in, d_out]`, the memory MLP's layers at the start.
         momentum: same shapes; zeros when None.
         rule: the update (`MemoryRule`, DESIGN.md §1): the loss, activation, residual, the bounds (max_grad_norm on
@@ -360,7 +366,7 @@ def parallel_memory(
             Triton kernels are not wanted; compiles a graph per configuration and shape on first use, a ragged last
             chunk runs uncompiled; once differentiable). None (default): "triton" on CUDA where it serves the call,
             else "fused" (`serving_implementation`, the one place that decides; "compile" only when asked for). A
-            callable θ and a channel-wise α always take the autograd path.
+            callable θ always takes the autograd path, and a channel-wise α does where the kernels do not run it.
         loss_gate: the loss's per-token parameter `[batch, heads, seq]` where `rule.loss` takes one (`has_gate`:
             Huber's data-dependent δ_t, ≥ 0), else None. Differentiable like θ, η, α, through every implementation.
 

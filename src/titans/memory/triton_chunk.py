@@ -27,7 +27,9 @@ passes A–C (without the update, keeping what the backward needs in the scratch
 steps 1–5 tile by tile, the gradient of the state in global memory, updated in place from ∂(W', S') to ∂(W⁰, S⁰).
 With recomputation groups (`ScanConfig.group_chunks`) the forward keeps only each group's starting state and the
 backward re-runs the forward kernel over one group at a time. The gate algebra (η, α → β, c, D = B E, E[n,:], e_n)
-is computed and differentiated by autograd outside the kernels, as in `fused.py`.
+is computed and differentiated by autograd outside the kernels, as in `fused.py`; with α per output column (a kernel
+variant of its own, CHANNELS) the kernels take E, e and the log-keeps log(1 − α) and form each column's decays where
+they are read (the section "α per channel" below), the log-keeps' gradient handed back to autograd.
 
 Precision: the state and every accumulation are float32 (float64 for tests); q, k, v may be bf16 or fp16 (read as
 such). Products take `input_precision` from the call: "ieee" (default) or "tf32" for the products that read the
@@ -51,6 +53,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .checks import without_autocast
+from .decays import log_keep, momentum_decays
 from .fused import ChunkDecays, ScanConfig, _block_decays, _groups, refuse_double_backward
 from .rule import MemoryRule
 
@@ -382,12 +385,16 @@ def _deltas(wb, FW, fidx, p_b, dl_b, m_b, dd_b, rows, rk, rn,
 @triton.jit
 def _step(theta_raw, D, E_last, aa_b, dd_b, rows, last, max_grad_norm,
           DEPTH: tl.constexpr, CHP: tl.constexpr, GRAD_BOUND: tl.constexpr, NORMALIZE: tl.constexpr,
-          DT: tl.constexpr):
+          CHANNELS: tl.constexpr, DT: tl.constexpr):
     """The chunk's step: θ_t bounded by max_grad_norm (‖∇ℓ_t‖² = Σ_i ‖a_i‖² ‖δ_i‖², mlp.token_grad_sq_norm), C = D
     diag(θ), u_m = θ ⊙ E[n,:], and under the normalised chunk step K[t,s] = G_ss / Σ_{r≤t} |G_sr| (mlp.chunk_step_norm,
-    G = Σ_i a_i a_iᵀ ⊙ δ_i δ_iᵀ) applied to both."""
+    G = Σ_i a_i a_iᵀ ⊙ δ_i δ_iᵀ) applied to both. With α per channel D has one matrix per column, formed in the
+    passes that read it (`_channel_retrieval`): C is then its column-free part [s ≤ t] θ_s (⊙ K)."""
     theta, scale, sq = _bounded_theta(theta_raw, aa_b, dd_b, rows, max_grad_norm, DEPTH, CHP, GRAD_BOUND, DT)
-    C = D * theta[None, :]
+    if CHANNELS:
+        C = tl.where(rows[None, :] <= rows[:, None], theta[None, :], 0.0)
+    else:
+        C = D * theta[None, :]
     u_m = theta * E_last
     if NORMALIZE:  # G is symmetric, so Σ_{r≤t} |G_sr| runs down its rows
         gram = tl.zeros([CHP, CHP], DT)
@@ -428,18 +435,126 @@ def _bounded_theta(theta_raw, aa_b, dd_b, rows, max_grad_norm, DEPTH: tl.constex
     return theta, scale, sq
 
 
+# --- α per channel (DESIGN.md §2): each output column j of a layer forgets with its own log-keep
+# lk_j[t] = log(1 − α_j[t]) (computed outside, `decays.log_keep`), so its decays B_j[t,r] = exp(Σ_{r<j'≤t} lk_j[j']),
+# β_j, c_j and D_j = B_j E are per column. D_j would be n × n per column, too large to pass in, so the kernels form
+# what they need from lk tile by tile: the retrieval's chunk term of column j, Σ_s D_j[t,s] θ_s K[t,s] (h aᵀ)[t,s]
+# ρδ[s,j], as a sum over r of B_j[t,r] Y_r[t,j] with Y_r = (H ⊙ E[r,:]) ρδ and H = ([s ≤ t] θ_s K[t,s]) ⊙ h aᵀ: n
+# products where the scalar α has one. Each range sum is accumulated on its own (r from the last row down, adding one
+# row of lk at a time), never as a difference of prefix sums, which would lose the small log-decays after a gate at
+# LOG_FLOOR (decays.py). The gradient of lk leaves the kernels (n × d per chunk); autograd takes it through the log.
+
+
+@triton.jit
+def _lk_row(lk_tok, r, cols, n_valid, W_OUT, OUT_T: tl.constexpr, DT: tl.constexpr):
+    """Row r of the chunk's log-keeps for these columns (zeros past the chunk's end)."""
+    return tl.load(lk_tok + r * OUT_T + cols, mask=(cols < W_OUT) & (cols * 0 + r < n_valid), other=0.0).to(DT)
+
+
+@triton.jit
+def _channel_step_r(span, lk_tok, E_at, e, r, rows, cols, n_valid, W_OUT, OUT_T: tl.constexpr, CH: tl.constexpr,
+                    DT: tl.constexpr):
+    """One step of the r-loop (r from the last row down): the range sums span[t,j] = Σ_{r<j'≤t} lk_j[j'] (t > r, else
+    0) carried from r + 1, B_r[t,j] = B_j[t,r] (t ≥ r, else 0), and E's row r and e_r (e: the vector, read)."""
+    span = tl.where(rows[:, None] > r, span + _lk_row(lk_tok, r + 1, cols, n_valid, W_OUT, OUT_T, DT)[None, :], 0.0)
+    B_r = tl.where(rows[:, None] >= r, tl.exp(span), 0.0)
+    E_r = tl.load(E_at + r * CH + rows, mask=(rows < n_valid) & (rows * 0 + r < n_valid), other=0.0).to(DT)
+    return span, B_r, E_r, _entry(e, rows, r)
+
+
+@triton.jit
+def _channel_retrieval(H, st, lk_tok, E_at, e, cols, n_valid, rows, W_OUT, OUT_T: tl.constexpr, CH: tl.constexpr,
+                       CHP: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
+    """(Σ_r B_r ⊙ (H ⊙ E[r,:]) ρδ, c, β) for a column tile: the chunk term of the retrieval, c[t,j] = Σ_{r≤t} B_j[t,r]
+    e_r and β[t,j] = Π_{j'≤t} (1 − α_j[j'])."""
+    keep = tl.exp(tl.cumsum(_ld(lk_tok, rows, cols, n_valid, W_OUT, OUT_T, DT), 0))
+    term = tl.zeros([CHP, BN], DT)
+    c = tl.zeros([CHP, BN], DT)
+    span = tl.zeros([CHP, BN], DT)
+    for rr in range(CHP):
+        r = CHP - 1 - rr
+        span, B_r, E_r, e_r = _channel_step_r(span, lk_tok, E_at, e, r, rows, cols, n_valid, W_OUT, OUT_T, CH, DT)
+        term += B_r * _mm(H * E_r[None, :], st, PREC)
+        c += B_r * e_r
+    return term, c, keep
+
+
+@triton.jit
+def _channel_end(lk_tok, E, e, cols, n_valid, rows, W_OUT, OUT_T: tl.constexpr, PREC: tl.constexpr,
+                 DT: tl.constexpr):
+    """The last row's decays for a column tile: Bn[r,j] = B_j[n,r] = Π_{r<j'≤n} (1 − α_j[j']) (a suffix sum of the
+    log-keeps one row down, summed from the end), Eᵀ Bn (C_j[n,s] = u_w[s] (Eᵀ Bn)[s,j]), β_n and c_n per column."""
+    Bn = tl.exp(tl.cumsum(_ld(lk_tok + OUT_T, rows, cols, n_valid - 1, W_OUT, OUT_T, DT), 0, reverse=True))
+    EB = _mm(tl.trans(E), Bn, PREC)
+    beta_n = tl.exp(tl.sum(_ld(lk_tok, rows, cols, n_valid, W_OUT, OUT_T, DT), 0))
+    c_n = tl.sum(Bn * e[:, None], 0)
+    return Bn, EB, beta_n, c_n
+
+
+@triton.jit
+def _channel_queries_grad(dy_tok, dr_b, dl_b, hw_b, hs_b, ddl_b, H, lk_tok, dlk_tok, E_at, e, dH_b, dE_b, rho, i,
+                          n_valid, rows, rn, W_OUT, OUT_OFF, D_OUT: tl.constexpr, OUT_T: tl.constexpr,
+                          DEPTH: tl.constexpr, CH: tl.constexpr, CHP: tl.constexpr, BN: tl.constexpr,
+                          PREC: tl.constexpr, DT: tl.constexpr):
+    """The backward pass of `_channel_retrieval` for layer i (r = β ⊙ h W⁰ + c ⊙ h S⁰ − Σ_r B_r ⊙ (H ⊙ E[r,:]) ρδ), the
+    r-loop again: writes β ⊙ ∂r and c ⊙ ∂r over h W⁰ and h S⁰ in the scratch (the passes after read them there), the
+    retrieval's part of ∂(ρδ) in ∂δ's place, and the log-keeps' gradient through β, c and the B_r (this chunk's rows
+    of the layer, the first write); adds ∂H and ∂E into the scratch at dH_b (zeroed here) and dE_b, a tile or a row
+    at a time (held whole through the loop, at chunks of 64 they spilled); returns ∂e."""
+    _st(dH_b, tl.zeros([CHP, CHP], DT), rows, rows, CHP, CHP, CHP)
+    d_e = tl.zeros([CHP], DT)
+    for jo in range(0, (W_OUT + BN - 1) // BN):
+        cols = jo * BN + rn
+        if i == DEPTH - 1:
+            dr = _ld(dy_tok, rows, cols, n_valid, D_OUT, D_OUT, DT)
+        else:
+            dr = _ld(dr_b + OUT_OFF, rows, cols, CHP, W_OUT, OUT_T, DT)
+        st = _ld(dl_b + OUT_OFF, rows, cols, CHP, W_OUT, OUT_T, DT) * rho
+        keep = tl.exp(tl.cumsum(_ld(lk_tok + OUT_OFF, rows, cols, n_valid, W_OUT, OUT_T, DT), 0))
+        d_c = dr * _ld(hs_b + OUT_OFF, rows, cols, CHP, W_OUT, OUT_T, DT)
+        # β[t] = exp(Σ_{j'≤t} lk[j']): ∂lk[j'] = Σ_{t≥j'} ∂β[t] β[t]
+        lk_grad = tl.cumsum(dr * _ld(hw_b + OUT_OFF, rows, cols, CHP, W_OUT, OUT_T, DT) * keep, 0, reverse=True)
+        c = tl.zeros([CHP, BN], DT)
+        d_st = tl.zeros([CHP, BN], DT)
+        span = tl.zeros([CHP, BN], DT)
+        d_H = tl.zeros([CHP, CHP], DT)
+        for rr in range(CHP):
+            r = CHP - 1 - rr
+            span, B_r, E_r, e_r = _channel_step_r(span, lk_tok + OUT_OFF, E_at, e, r, rows, cols, n_valid, W_OUT,
+                                                  OUT_T, CH, DT)
+            G = H * E_r[None, :]
+            Q = B_r * dr
+            # B_r[t] = exp(Σ_{r<j'≤t} lk[j']): ∂lk[j'] = Σ_{t≥j'} ∂B_r[t] B_r[t] for j' > r
+            d_B = d_c * e_r - dr * _mm(G, st, PREC)
+            lk_grad += tl.where(rows[:, None] > r, tl.cumsum(d_B * B_r, 0, reverse=True), 0.0)
+            d_e += tl.where(rows == r, tl.sum(tl.sum(d_c * B_r, 1), 0), 0.0)
+            c += B_r * e_r
+            d_st -= _mm(tl.trans(G), Q, PREC)
+            T = _mm(Q, tl.trans(st), PREC)  # −∂(H ⊙ E[r,:])
+            d_H -= T * E_r[None, :]
+            tl.store(dE_b + r * CHP + rows, tl.load(dE_b + r * CHP + rows) - tl.sum(T * H, 0))
+        _st(dH_b, _ld(dH_b, rows, rows, CHP, CHP, CHP, DT) + d_H, rows, rows, CHP, CHP, CHP)
+        _st(hw_b + OUT_OFF, keep * dr, rows, cols, CHP, W_OUT, OUT_T)
+        _st(hs_b + OUT_OFF, c * dr, rows, cols, CHP, W_OUT, OUT_T)
+        _st(ddl_b + OUT_OFF, d_st, rows, cols, CHP, W_OUT, OUT_T)
+        _st(dlk_tok + OUT_OFF, lk_grad, rows, cols, n_valid, W_OUT, OUT_T)
+    return d_e
+
+
 @triton.jit
 def _queries(wb, sb, FW, fidx, h_b, a_b, dl_b, r_b, hw_b, hs_b, ha_b, y_tok, scales_at, radii_ptr,
-             beta, c, C_at, u_w, u_m, beta_n, c_n, e_n, hidden_step, n_valid, rows, rk, rn,
+             beta, c, C_at, u_w, u_m, beta_n, c_n, e_n, hidden_step, n_valid, rows, rk, rn, E_at, e_at, lk_tok,
              D_IN: tl.constexpr, HID: tl.constexpr, D_OUT: tl.constexpr, DEPTH: tl.constexpr, IN_T: tl.constexpr,
-             OUT_T: tl.constexpr, CHP: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr, ACT: tl.constexpr,
-             RESIDUAL: tl.constexpr, UPDATE: tl.constexpr, RECORD: tl.constexpr, STATE_BOUND: tl.constexpr,
-             PREC: tl.constexpr, PREC_STATE: tl.constexpr, DT: tl.constexpr):
+             OUT_T: tl.constexpr, CH: tl.constexpr, CHP: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
+             ACT: tl.constexpr, RESIDUAL: tl.constexpr, UPDATE: tl.constexpr, RECORD: tl.constexpr,
+             STATE_BOUND: tl.constexpr, CHANNELS: tl.constexpr, PREC: tl.constexpr, PREC_STATE: tl.constexpr,
+             DT: tl.constexpr):
     """Pass C: the queries at W_t, r_i = β ⊙ h_i W_i⁰ + c ⊙ h_i S_i⁰ − (C ⊙ h_i a_iᵀ) ρ_i δ_i, h_{i+1} = σ(r_i), y = r_L
     (+ q); with UPDATE the state after the chunk in place in the same tile loop (each tile read and written once):
     W' = β_n W⁰ + c_n S⁰ − a_iᵀ (C[n,:] ⊙ ρ_i δ_i), S' = e_n S⁰ − a_iᵀ (u_m ⊙ ρ_i δ_i), with its norms for the bounded
-    state. C is read from the scratch at C_at. Returns the factors of the state as it now stands (FW: W_i at i, S_i
-    at 4 + i)."""
+    state. C is read from the scratch at C_at. With α per channel (CHANNELS) β, c, β_n, c_n and C are per column,
+    formed from the log-keeps at lk_tok, E at E_at and e at e_at (`_channel_retrieval`, `_channel_end`). Returns the
+    factors of the state as it now stands (FW: W_i at i, S_i at 4 + i)."""
     valid = (rows < n_valid)[:, None]
     for i in range(DEPTH):
         W_IN = D_IN + (HID - D_IN) * (i > 0)
@@ -459,12 +574,24 @@ def _queries(wb, sb, FW, fidx, h_b, a_b, dl_b, r_b, hw_b, hs_b, ha_b, y_tok, sca
         if RECORD:
             _st(ha_b + i * CHP * CHP, ha, rows, rows, CHP, CHP, CHP)
         cha = _ld(C_at, rows, rows, CHP, CHP, CHP, DT) * ha  # (C read from the scratch: one n × n fewer held)
+        if CHANNELS:
+            E = _ld(E_at, rows, rows, n_valid, n_valid, CH, DT)
+            e = tl.load(e_at + rows, mask=rows < n_valid, other=0.0).to(DT)
         norm_w = 0.0
         norm_s = 0.0
         for jo in range(0, (W_OUT + BN - 1) // BN):
             cols = jo * BN + rn
             st = _ld(dl_b + OUT_OFF, rows, cols, CHP, W_OUT, OUT_T, DT) * rho
-            uw_st = u_w[:, None] * st
+            if CHANNELS:
+                _, EB, beta_end, c_end = _channel_end(lk_tok + OUT_OFF, E, e, cols, n_valid, rows, W_OUT, OUT_T,
+                                                      PREC_STATE, DT)
+                uw_st = u_w[:, None] * EB * st  # C_j[n,s] ρδ[s,j]
+                beta_end = beta_end[None, :]
+                c_end = c_end[None, :]
+            else:
+                uw_st = u_w[:, None] * st
+                beta_end = beta_n
+                c_end = c_n
             um_st = u_m[:, None] * st
             acc = tl.zeros([CHP, 2 * BN], DT)
             U = _pair(uw_st, um_st)
@@ -477,7 +604,7 @@ def _queries(wb, sb, FW, fidx, h_b, a_b, dl_b, r_b, hw_b, hs_b, ha_b, y_tok, sca
                 if UPDATE:  # the state's own update at IEEE precision: its rounding would build up chunk after chunk
                     a_t = tl.trans(_ld(a_b + IN_OFF, rows, kk, CHP, W_IN, IN_T, DT))
                     up_w, up_s = _unpair(_mm(a_t, U, PREC_STATE))
-                    w_new = (beta_n * f_w) * w + (c_n * f_s) * s - up_w
+                    w_new = (beta_end * f_w) * w + (c_end * f_s) * s - up_w
                     s_new = (e_n * f_s) * s - up_s
                     _st(wb + ST, w_new, kk, cols, W_IN, W_OUT, W_OUT)
                     _st(sb + ST, s_new, kk, cols, W_IN, W_OUT, W_OUT)
@@ -486,7 +613,12 @@ def _queries(wb, sb, FW, fidx, h_b, a_b, dl_b, r_b, hw_b, hs_b, ha_b, y_tok, sca
             acc_w, acc_s = _unpair(acc)
             hw = acc_w * f_w
             hs = acc_s * f_s
-            r = beta[:, None] * hw + c[:, None] * hs - _mm(cha, st, PREC)
+            if CHANNELS:  # (after the state's tiles: what it holds is not held through them)
+                term, c_t, beta_t = _channel_retrieval(cha, st, lk_tok + OUT_OFF, E_at, e, cols, n_valid, rows,
+                                                       W_OUT, OUT_T, CH, CHP, BN, PREC, DT)
+                r = beta_t * hw + c_t * hs - term
+            else:
+                r = beta[:, None] * hw + c[:, None] * hs - _mm(cha, st, PREC)
             if RECORD:
                 _st(r_b + OUT_OFF, r, rows, cols, CHP, W_OUT, OUT_T)
                 _st(hw_b + OUT_OFF, hw, rows, cols, CHP, W_OUT, OUT_T)
@@ -583,7 +715,7 @@ def _forward_parts(scr, CHP: tl.constexpr, IN_T: tl.constexpr, OUT_T: tl.constex
 def _backward_parts(scr, CHP: tl.constexpr, IN_T: tl.constexpr, OUT_T: tl.constexpr, D_OUT: tl.constexpr,
                     DEPTH: tl.constexpr):
     """After the forward's parts: m, r, h W⁰, h S⁰, h aᵀ per layer, and the gradients ∂a, ∂r, ∂δ, ∂m, ∂p, and the
-    chunk's n × n matrices C, M, C ⊙ h aᵀ, ∂C, K."""
+    chunk's n × n matrices C, M, C ⊙ h aᵀ, ∂C, K (and with α per channel ∂E, then a row of every layer's β_n)."""
     M: tl.constexpr = 2 * CHP * IN_T + 2 * CHP * OUT_T + CHP * D_OUT + 2 * DEPTH * CHP * CHP  # the forward's size
     R: tl.constexpr = M + CHP * OUT_T
     HW: tl.constexpr = R + CHP * OUT_T
@@ -610,17 +742,18 @@ _RUN_TIME = ["BH", "seq", "num_chunks", "first_chunk", "last_chunk", "scr_row"]
 
 @triton.jit(do_not_specialize=_RUN_TIME + ["save_every"])
 def _forward_kernel(
-    q_ptr, k_ptr, v_ptr, theta_ptr, gate_ptr, beta_ptr, c_ptr, D_ptr, E_last_ptr, e_last_ptr, params_ptr, radii_ptr,
-    w_ptr, s_ptr, saved_w, saved_s, y_ptr, scales_ptr, scr_ptr, scr_row,
+    q_ptr, k_ptr, v_ptr, theta_ptr, gate_ptr, beta_ptr, c_ptr, D_ptr, E_last_ptr, e_last_ptr, lk_ptr, params_ptr,
+    radii_ptr, w_ptr, s_ptr, saved_w, saved_s, y_ptr, scales_ptr, scr_ptr, scr_row,
     BH, seq, num_chunks, first_chunk, last_chunk, save_every,
     D_IN: tl.constexpr, HID: tl.constexpr, D_OUT: tl.constexpr, DEPTH: tl.constexpr, CH: tl.constexpr,
     CHP: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr, ACT: tl.constexpr, RESIDUAL: tl.constexpr,
     GRAD_BOUND: tl.constexpr, STATE_BOUND: tl.constexpr, NORMALIZE: tl.constexpr, LOSS: tl.constexpr,
-    GATED: tl.constexpr, PREC: tl.constexpr, PREC_STATE: tl.constexpr, DT: tl.constexpr,
+    GATED: tl.constexpr, CHANNELS: tl.constexpr, PREC: tl.constexpr, PREC_STATE: tl.constexpr, DT: tl.constexpr,
 ):
     """Chunks [first_chunk, last_chunk) of row bh: y, the state updated in place at w_ptr/s_ptr (the end state on
     exit), the bounded state's factors per chunk, and (save_every > 0) the starting state of every save_every-th
-    chunk into saved_* slots (a run-time number: recording or not, and the group size, compile no new kernel)."""
+    chunk into saved_* slots (a run-time number: recording or not, and the group size, compile no new kernel). With
+    α per channel (CHANNELS), c_ptr holds e and D_ptr E (`_channel_gates`), and lk_ptr the log-keeps."""
     bh = tl.program_id(0).to(tl.int64)
     TOT: tl.constexpr = D_IN * HID * (DEPTH > 1) + (DEPTH - 2) * HID * HID * (DEPTH > 2) + HID * D_OUT * (DEPTH > 1) \
         + D_IN * D_OUT * (DEPTH == 1)
@@ -631,10 +764,6 @@ def _forward_kernel(
     rn = tl.arange(0, BN)
     fidx = tl.arange(0, 8)
     FW = tl.full([8], 1.0, DT)
-    max_grad_norm = tl.load(params_ptr).to(DT)
-    hidden_step = tl.load(params_ptr + 1).to(DT)
-    loss_p = tl.load(params_ptr + 2).to(DT)
-    loss_eps = tl.load(params_ptr + 3).to(DT)
     wb = w_ptr + bh * TOT
     sb = s_ptr + bh * TOT
     h_b, a_b, p_b, dl_b, e_b, aa_b, dd_b = _forward_parts(scr_ptr + bh * scr_row, CHP, IN_T, OUT_T, D_OUT, DEPTH)
@@ -652,38 +781,46 @@ def _forward_kernel(
         _chunk_start(q_ptr + tok * D_IN, k_ptr + tok * D_IN, h_b, a_b, aa_b, n_valid, rows, rk, D_IN, IN_T, CHP, BK,
                      PREC, DT)
         tl.debug_barrier()
+        # the rule's numbers, read where they are used, as in the backward (held through the chunk loop, they spilled
+        # with α per channel)
+        loss_p = tl.load(params_ptr + 2).to(DT)
+        loss_eps = tl.load(params_ptr + 3).to(DT)
         _keys(wb, FW, fidx, k_ptr + tok * D_IN, v_ptr + tok * D_OUT, e_b, a_b, p_b, dl_b, aa_b, dd_b, gamma, n_valid,
               rows, rk, rn, loss_p, loss_eps, D_IN, HID, D_OUT, DEPTH, IN_T, OUT_T, CHP, BK, BN, ACT, RESIDUAL, LOSS,
               PREC, DT)
         _deltas(wb, FW, fidx, p_b, dl_b, dl_b, dd_b, rows, rk, rn, D_IN, HID, D_OUT, DEPTH, OUT_T, CHP, BK, BN, ACT,
                 False, PREC, DT)
-        theta, scale, sq, norm, C, u_m = _step(theta_raw, D, E_last, aa_b, dd_b, rows, last, max_grad_norm, DEPTH,
-                                               CHP, GRAD_BOUND, NORMALIZE, DT)
+        theta, scale, sq, norm, C, u_m = _step(theta_raw, D, E_last, aa_b, dd_b, rows, last,
+                                               tl.load(params_ptr).to(DT), DEPTH, CHP, GRAD_BOUND, NORMALIZE, CHANNELS,
+                                               DT)
         u_w = _row(C, rows, last)
         beta_n = _entry(beta, rows, last)
         c_n = _entry(c, rows, last)
+        dec = (bh * num_chunks + j) * CH
         tl.debug_barrier()  # the Gram matrices are read: C takes the first one's place, and _queries reads it there
         _st(aa_b, C, rows, rows, CHP, CHP, CHP)
         tl.debug_barrier()
         FW = _queries(wb, sb, FW, fidx, h_b, a_b, dl_b, dl_b, dl_b, dl_b, aa_b, y_ptr + tok * D_OUT,
                       scales_ptr + (j * BH + bh) * (2 * DEPTH), radii_ptr, beta, c, aa_b, u_w, u_m, beta_n, c_n, e_n,
-                      hidden_step, n_valid, rows, rk, rn, D_IN, HID, D_OUT, DEPTH, IN_T, OUT_T, CHP, BK, BN, ACT,
-                      RESIDUAL, True, False, STATE_BOUND, PREC, PREC_STATE, DT)
+                      tl.load(params_ptr + 1).to(DT), n_valid, rows, rk, rn, D_ptr + dec * CH, c_ptr + dec,
+                      lk_ptr + tok * OUT_T, D_IN,
+                      HID, D_OUT, DEPTH, IN_T, OUT_T, CH, CHP, BK, BN, ACT, RESIDUAL, True, False, STATE_BOUND,
+                      CHANNELS, PREC, PREC_STATE, DT)
     if STATE_BOUND:  # the end state as it stands: each matrix times its pending factor
         _copy_state(wb, sb, wb, sb, FW, fidx, rk, rn, D_IN, HID, D_OUT, DEPTH, BK, BN, DT)
 
 
 @triton.jit(do_not_specialize=_RUN_TIME)
 def _backward_kernel(
-    q_ptr, k_ptr, v_ptr, theta_ptr, gate_ptr, beta_ptr, c_ptr, D_ptr, E_last_ptr, e_last_ptr, params_ptr,
+    q_ptr, k_ptr, v_ptr, theta_ptr, gate_ptr, beta_ptr, c_ptr, D_ptr, E_last_ptr, e_last_ptr, lk_ptr, params_ptr,
     saved_w, saved_s, dy_ptr, d_state_ptr,
-    dq_ptr, dk_ptr, dv_ptr, dtheta_ptr, dgate_ptr, dbeta_ptr, dc_ptr, dD_ptr, dE_last_ptr, de_last_ptr, scales_ptr,
-    scr_ptr, scr_row,
+    dq_ptr, dk_ptr, dv_ptr, dtheta_ptr, dgate_ptr, dbeta_ptr, dc_ptr, dD_ptr, dE_last_ptr, de_last_ptr, dlk_ptr,
+    scales_ptr, scr_ptr, scr_row,
     BH, seq, num_chunks, first_chunk, last_chunk,
     D_IN: tl.constexpr, HID: tl.constexpr, D_OUT: tl.constexpr, DEPTH: tl.constexpr, CH: tl.constexpr,
     CHP: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr, ACT: tl.constexpr, RESIDUAL: tl.constexpr,
     GRAD_BOUND: tl.constexpr, STATE_BOUND: tl.constexpr, NORMALIZE: tl.constexpr, LOSS: tl.constexpr,
-    GATED: tl.constexpr, PREC: tl.constexpr, PREC_STATE: tl.constexpr, DT: tl.constexpr,
+    GATED: tl.constexpr, CHANNELS: tl.constexpr, PREC: tl.constexpr, PREC_STATE: tl.constexpr, DT: tl.constexpr,
 ):
     """Chunks [first_chunk, last_chunk) of row bh in reverse (`fused._chunk_backward`, tile by tile), from their
     starting states in saved_* (one slot per chunk): d_state ([BH, 2, TOT]: ∂W, ∂S) holds the gradient of the state
@@ -738,7 +875,7 @@ def _backward_kernel(
         max_grad_norm = tl.load(params_ptr).to(DT)
         hidden_step = tl.load(params_ptr + 1).to(DT)
         theta, scale, sq, norm, C, u_m = _step(theta_raw, D, E_last, aa_b, dd_b, rows, last, max_grad_norm, DEPTH,
-                                               CHP, GRAD_BOUND, NORMALIZE, DT)
+                                               CHP, GRAD_BOUND, NORMALIZE, CHANNELS, DT)
         # At chunks of 64 an n × n matrix is 16 registers a thread, and holding the step's (D, K, C, θ's factors)
         # through the layer loop spilled: C, K and the layer's M, C ⊙ h aᵀ and ∂C wait in the scratch for the loops
         # that read them, and step 3 re-reads the gates and θ's bound (tests/memory/test_triton_compile.py).
@@ -749,11 +886,18 @@ def _backward_kernel(
         if NORMALIZE:
             _st(nn_b + 4 * CHP * CHP, norm, rows, rows, CHP, CHP, CHP)
         tl.debug_barrier()
+        E_at = D_ptr + (bh * num_chunks + j) * CH * CH  # α per channel: E and e (`_channel_gates`), the log-keeps
+        e_at = c_ptr + (bh * num_chunks + j) * CH
+        lk_tok = lk_ptr + tok * OUT_T
         _queries(wb, sb, ONES, fidx, h_b, a_b, dl_b, r_b, hw_b, hs_b, ha_b, dy_ptr, scales_ptr, params_ptr,
-                 beta, c, nn_b, u_w, u_m, beta_n, c_n, e_n, hidden_step, n_valid, rows, rk, rn, D_IN, HID, D_OUT,
-                 DEPTH, IN_T, OUT_T, CHP, BK, BN, ACT, RESIDUAL, False, True, False, PREC, PREC_STATE, DT)
+                 beta, c, nn_b, u_w, u_m, beta_n, c_n, e_n, hidden_step, n_valid, rows, rk, rn, E_at, e_at, lk_tok,
+                 D_IN, HID, D_OUT, DEPTH, IN_T, OUT_T, CH, CHP, BK, BN, ACT, RESIDUAL, False, True, False, CHANNELS,
+                 PREC, PREC_STATE, DT)
         # --- 1–2. the state update and the queries, last layer first ---------------------------------------------
         _st(nn_b + 3 * CHP * CHP, tl.zeros([CHP, CHP], DT), rows, rows, CHP, CHP, CHP)  # ∂C
+        if CHANNELS:
+            _st(nn_b + 5 * CHP * CHP, tl.zeros([CHP, CHP], DT), rows, rows, CHP, CHP, CHP)  # ∂E
+            d_e = tl.zeros([CHP], DT)
         d_u_w = tl.zeros([CHP], DT)
         d_u_m = tl.zeros([CHP], DT)
         d_beta = tl.zeros([CHP], DT)
@@ -772,24 +916,39 @@ def _backward_kernel(
             rho = tl.where(i < DEPTH - 1, tl.load(params_ptr + 1).to(DT), 1.0)
             ph_w = _entry(PHI, fidx, i)
             ph_s = _entry(PHI, fidx, 4 + i)
-            # r_d = ∂r ρδᵀ (r −= (C ⊙ h aᵀ) ρ δ), ∂β = Σ ∂r ⊙ h W⁰, ∂c = Σ ∂r ⊙ h S⁰
-            r_d = tl.zeros([CHP, CHP], DT)
-            for jo in range(0, (W_OUT + BN - 1) // BN):
-                cols = jo * BN + rn
-                if i == DEPTH - 1:
-                    dr = _ld(dy_ptr + tok * D_OUT, rows, cols, n_valid, D_OUT, D_OUT, DT)
-                else:
-                    dr = _ld(dr_b + OUT_OFF, rows, cols, CHP, W_OUT, OUT_T, DT)
-                st = _ld(dl_b + OUT_OFF, rows, cols, CHP, W_OUT, OUT_T, DT) * rho
-                r_d += _mm(dr, tl.trans(st), PREC)
-                d_beta += tl.sum(dr * _ld(hw_b + OUT_OFF, rows, cols, CHP, W_OUT, OUT_T, DT), 1)
-                d_c += tl.sum(dr * _ld(hs_b + OUT_OFF, rows, cols, CHP, W_OUT, OUT_T, DT), 1)
-            ha = _ld(ha_b + i * CHP * CHP, rows, rows, CHP, CHP, CHP, DT)
-            _st(nn_b + 3 * CHP * CHP, _ld(nn_b + 3 * CHP * CHP, rows, rows, CHP, CHP, CHP, DT) - r_d * ha, rows, rows,
-                CHP, CHP, CHP)
-            C = _ld(nn_b, rows, rows, CHP, CHP, CHP, DT)
-            _st(nn_b + CHP * CHP, C * r_d, rows, rows, CHP, CHP, CHP)  # M
-            _st(nn_b + 2 * CHP * CHP, C * ha, rows, rows, CHP, CHP, CHP)
+            if CHANNELS:  # the retrieval's per-column terms (`_channel_queries_grad`); M = −∂(h aᵀ) = −∂H ⊙ C
+                ha = _ld(ha_b + i * CHP * CHP, rows, rows, CHP, CHP, CHP, DT)
+                C = _ld(nn_b, rows, rows, CHP, CHP, CHP, DT)
+                d_e += _channel_queries_grad(
+                    dy_ptr + tok * D_OUT, dr_b, dl_b, hw_b, hs_b, ddl_b, C * ha, lk_tok, dlk_ptr + tok * OUT_T, E_at,
+                    tl.load(e_at + rows, mask=rows < n_valid, other=0.0).to(DT), nn_b + CHP * CHP,
+                    nn_b + 5 * CHP * CHP, rho, i, n_valid, rows, rn, W_OUT, OUT_OFF, D_OUT, OUT_T, DEPTH, CH, CHP, BN,
+                    PREC, DT)
+                tl.debug_barrier()
+                d_H = _ld(nn_b + CHP * CHP, rows, rows, CHP, CHP, CHP, DT)  # (∂H, in M's place)
+                _st(nn_b + 3 * CHP * CHP, _ld(nn_b + 3 * CHP * CHP, rows, rows, CHP, CHP, CHP, DT) + d_H * ha, rows,
+                    rows, CHP, CHP, CHP)
+                tl.debug_barrier()
+                _st(nn_b + CHP * CHP, -(d_H * C), rows, rows, CHP, CHP, CHP)  # M
+            else:
+                # r_d = ∂r ρδᵀ (r −= (C ⊙ h aᵀ) ρ δ), ∂β = Σ ∂r ⊙ h W⁰, ∂c = Σ ∂r ⊙ h S⁰
+                r_d = tl.zeros([CHP, CHP], DT)
+                for jo in range(0, (W_OUT + BN - 1) // BN):
+                    cols = jo * BN + rn
+                    if i == DEPTH - 1:
+                        dr = _ld(dy_ptr + tok * D_OUT, rows, cols, n_valid, D_OUT, D_OUT, DT)
+                    else:
+                        dr = _ld(dr_b + OUT_OFF, rows, cols, CHP, W_OUT, OUT_T, DT)
+                    st = _ld(dl_b + OUT_OFF, rows, cols, CHP, W_OUT, OUT_T, DT) * rho
+                    r_d += _mm(dr, tl.trans(st), PREC)
+                    d_beta += tl.sum(dr * _ld(hw_b + OUT_OFF, rows, cols, CHP, W_OUT, OUT_T, DT), 1)
+                    d_c += tl.sum(dr * _ld(hs_b + OUT_OFF, rows, cols, CHP, W_OUT, OUT_T, DT), 1)
+                ha = _ld(ha_b + i * CHP * CHP, rows, rows, CHP, CHP, CHP, DT)
+                _st(nn_b + 3 * CHP * CHP, _ld(nn_b + 3 * CHP * CHP, rows, rows, CHP, CHP, CHP, DT) - r_d * ha, rows,
+                    rows, CHP, CHP, CHP)
+                C = _ld(nn_b, rows, rows, CHP, CHP, CHP, DT)
+                _st(nn_b + CHP * CHP, C * r_d, rows, rows, CHP, CHP, CHP)  # M
+                _st(nn_b + 2 * CHP * CHP, C * ha, rows, rows, CHP, CHP, CHP)
             tl.debug_barrier()
             for ji in range(0, (W_IN + BK - 1) // BK):  # ∂a = −Mᵀ h, the rest added tile by tile below
                 kk = ji * BK + rk
@@ -798,6 +957,10 @@ def _backward_kernel(
                     kk, CHP, W_IN, IN_T)
             tl.debug_barrier()
             # The update's gradient, through ∂W', ∂S' (and S⁰ for ∂c_n, ∂e_n): ∂S⁰, ∂a, ∂(ρδ).
+            if CHANNELS:
+                E = _ld(E_at, rows, rows, n_valid, n_valid, CH, DT)
+                e = tl.load(e_at + rows, mask=rows < n_valid, other=0.0).to(DT)
+                d_E = tl.zeros([CHP, CHP], DT)
             for jo in range(0, (W_OUT + BN - 1) // BN):
                 cols = jo * BN + rn
                 if i == DEPTH - 1:
@@ -805,8 +968,21 @@ def _backward_kernel(
                 else:
                     dr = _ld(dr_b + OUT_OFF, rows, cols, CHP, W_OUT, OUT_T, DT)
                 st = _ld(dl_b + OUT_OFF, rows, cols, CHP, W_OUT, OUT_T, DT) * rho
-                g_s = c[:, None] * dr
-                g_uw = u_w[:, None] * st
+                if CHANNELS:  # β_n, c_n and C[n,:] per column; c ⊙ ∂r from the scratch (`_channel_queries_grad`)
+                    Bn, EB, beta_end, c_end = _channel_end(lk_tok + OUT_OFF, E, e, cols, n_valid, rows, W_OUT, OUT_T,
+                                                           PREC_STATE, DT)
+                    g_s = _ld(hs_b + OUT_OFF, rows, cols, CHP, W_OUT, OUT_T, DT)
+                    g_uw = u_w[:, None] * EB * st
+                    # β_n per column, kept in the scratch for ∂W⁰ (step 5; re-forming it there kept the log-keeps'
+                    # pointer alive through step 4, and it spilled)
+                    tl.store(nn_b + 6 * CHP * CHP + OUT_OFF + cols, beta_end, mask=cols < W_OUT)
+                    c_end = c_end[None, :]
+                    d_beta_end = tl.zeros([BN], DT)
+                    d_c_end = tl.zeros([BN], DT)
+                else:
+                    g_s = c[:, None] * dr
+                    g_uw = u_w[:, None] * st
+                    c_end = c_n
                 g_um = u_m[:, None] * st
                 g_u = _pair(g_um, g_uw)
                 a_d = tl.zeros([CHP, 2 * BN], DT)  # a ∂S' and a ∂W', paired
@@ -818,23 +994,48 @@ def _backward_kernel(
                     h = _ld(h_b + IN_OFF, rows, kk, CHP, W_IN, IN_T, DT)
                     a = _ld(a_b + IN_OFF, rows, kk, CHP, W_IN, IN_T, DT)
                     # ∂S⁰ = e_n ∂S' + c_n ∂W' + hᵀ (c ⊙ ∂r), complete: written in place of ∂S'
-                    _st(dsb + ST, e_n * dsn + c_n * dwn + _mm(tl.trans(h), g_s, PREC_STATE), kk, cols, W_IN, W_OUT,
-                        W_OUT)
+                    _st(dsb + ST, e_n * dsn + c_end * dwn + _mm(tl.trans(h), g_s, PREC_STATE), kk, cols, W_IN,
+                        W_OUT, W_OUT)
                     d_new = _pair(dsn, dwn)
                     a_d += _mm(a, d_new, PREC)
                     # ∂a −= (u_m ⊙ ρδ) ∂S'ᵀ + (u_w ⊙ ρδ) ∂W'ᵀ, one product
                     da = _ld(da_b + IN_OFF, rows, kk, CHP, W_IN, IN_T, DT) - _mm(g_u, tl.trans(d_new), PREC)
                     _st(da_b + IN_OFF, da, rows, kk, CHP, W_IN, IN_T)
                     d_e_n += tl.sum(tl.sum(s * dsn, 1), 0)
-                    d_c_n += tl.sum(tl.sum(s * dwn, 1), 0)
+                    if CHANNELS:  # ∂β_n and ∂c_n per column: ⟨W⁰, ∂W'⟩ and ⟨S⁰, ∂W'⟩ down each column
+                        d_beta_end += tl.sum(_ld(wb + ST, kk, cols, W_IN, W_OUT, W_OUT, DT) * dwn, 0)
+                        d_c_end += tl.sum(s * dwn, 0)
+                    else:
+                        d_c_n += tl.sum(tl.sum(s * dwn, 1), 0)
                 a_ds, a_dw = _unpair(a_d)
-                # ∂(ρδ) = −(u_w ⊙ a ∂W' + u_m ⊙ a ∂S') − (C ⊙ h aᵀ)ᵀ ∂r, then ρ: the gradient of δ_i
-                cha = _ld(nn_b + 2 * CHP * CHP, rows, rows, CHP, CHP, CHP, DT)
-                d_step = -(u_w[:, None] * a_dw + u_m[:, None] * a_ds) - _mm(tl.trans(cha), dr, PREC)
-                _st(ddl_b + OUT_OFF, d_step * rho, rows, cols, CHP, W_OUT, OUT_T)
-                d_u_w -= tl.sum(a_dw * st, 1)
+                if CHANNELS:
+                    # ∂(ρδ) = −(C[n,:] ⊙ a ∂W' + u_m ⊙ a ∂S') + the retrieval's part (in ∂δ's place), then ρ;
+                    # C_j[n,s] = u_w[s] (Eᵀ Bn)[s,j]: ∂u_w, ∂E, and ∂Bn, ∂β_n → the log-keeps (`_channel_end_grad`)
+                    d_step = -(u_w[:, None] * EB * a_dw + u_m[:, None] * a_ds) \
+                        + _ld(ddl_b + OUT_OFF, rows, cols, CHP, W_OUT, OUT_T, DT)
+                    _st(ddl_b + OUT_OFF, d_step * rho, rows, cols, CHP, W_OUT, OUT_T)
+                    d_Cn = -a_dw * st
+                    d_u_w += tl.sum(d_Cn * EB, 1)
+                    X = d_Cn * u_w[:, None]  # ∂(Eᵀ Bn)
+                    d_E += _mm(Bn, tl.trans(X), PREC)
+                    d_Bn = _mm(E, X, PREC) + e[:, None] * d_c_end[None, :]
+                    d_e += tl.sum(Bn * d_c_end[None, :], 1)
+                    P = d_Bn * Bn  # Bn[r] = exp(Σ_{r<j'≤n} lk[j']): ∂lk[j'] = Σ_{r<j'} P[r], and β_n's Σ_{j'≤n}
+                    lk_grad = tl.cumsum(P, 0) - P + (d_beta_end * beta_end)[None, :]
+                    dlk_at = dlk_ptr + tok * OUT_T + OUT_OFF
+                    _st(dlk_at, _ld(dlk_at, rows, cols, n_valid, W_OUT, OUT_T, DT) + lk_grad, rows, cols, n_valid,
+                        W_OUT, OUT_T)
+                else:
+                    # ∂(ρδ) = −(u_w ⊙ a ∂W' + u_m ⊙ a ∂S') − (C ⊙ h aᵀ)ᵀ ∂r, then ρ: the gradient of δ_i
+                    cha = _ld(nn_b + 2 * CHP * CHP, rows, rows, CHP, CHP, CHP, DT)
+                    d_step = -(u_w[:, None] * a_dw + u_m[:, None] * a_ds) - _mm(tl.trans(cha), dr, PREC)
+                    _st(ddl_b + OUT_OFF, d_step * rho, rows, cols, CHP, W_OUT, OUT_T)
+                    d_u_w -= tl.sum(a_dw * st, 1)
                 d_u_m -= tl.sum(a_ds * st, 1)
                 tl.debug_barrier()
+            if CHANNELS:
+                _st(nn_b + 5 * CHP * CHP, _ld(nn_b + 5 * CHP * CHP, rows, rows, CHP, CHP, CHP, DT) + d_E, rows, rows,
+                    CHP, CHP, CHP)
             # The queries' gradient through W⁰, S⁰: ∂h = (β ⊙ ∂r) W⁰ᵀ + (c ⊙ ∂r) S⁰ᵀ − M a, then ∂r of the layer below
             # (∂h ⊙ σ'(r_{i−1})) or ∂q.
             for ji in range(0, (W_IN + BK - 1) // BK):
@@ -849,7 +1050,11 @@ def _backward_kernel(
                         dr = _ld(dr_b + OUT_OFF, rows, cols, CHP, W_OUT, OUT_T, DT)
                     state = _pair(_ld(sb + ST, kk, cols, W_IN, W_OUT, W_OUT, DT), _ld(wb + ST, kk, cols, W_IN, W_OUT,
                                                                                        W_OUT, DT))
-                    dh += _mm(_pair(c[:, None] * dr, beta[:, None] * dr), tl.trans(state), PREC)
+                    if CHANNELS:  # c ⊙ ∂r and β ⊙ ∂r per column, from the scratch
+                        dh += _mm(_pair(_ld(hs_b + OUT_OFF, rows, cols, CHP, W_OUT, OUT_T, DT),
+                                        _ld(hw_b + OUT_OFF, rows, cols, CHP, W_OUT, OUT_T, DT)), tl.trans(state), PREC)
+                    else:
+                        dh += _mm(_pair(c[:, None] * dr, beta[:, None] * dr), tl.trans(state), PREC)
                 if i > 0:
                     r_prev = _ld(r_b + PREV_OFF, rows, kk, CHP, W_IN, OUT_T, DT)
                     _st(dr_b + PREV_OFF, dh * _act_grad(r_prev, ACT), rows, kk, CHP, W_IN, OUT_T)
@@ -870,8 +1075,12 @@ def _backward_kernel(
             norm = _ld(nn_b + 4 * CHP * CHP, rows, rows, CHP, CHP, CHP, DT)
             d_C = d_C * norm
             d_u_m = d_u_m * _row(norm, rows, last)
-        d_th = tl.sum(d_C * D, 0) + d_u_m * E_last
-        d_D = d_C * theta[None, :]
+        if CHANNELS:  # C = [s ≤ t] θ_s (⊙ K); D's place takes ∂E, gathered by the layers
+            d_th = tl.sum(tl.where(rows[None, :] <= rows[:, None], d_C, 0.0), 0) + d_u_m * E_last
+            d_D = _ld(nn_b + 5 * CHP * CHP, rows, rows, CHP, CHP, CHP, DT)
+        else:
+            d_th = tl.sum(d_C * D, 0) + d_u_m * E_last
+            d_D = d_C * theta[None, :]
         d_E_last = d_u_m * theta
         d_theta = d_th
         if GRAD_BOUND:
@@ -972,8 +1181,13 @@ def _backward_kernel(
                     else:
                         dr = _ld(dr_b + OUT_OFF, rows, cols, CHP, W_OUT, OUT_T, DT)
                     dwn = _ld(dwb + ST, kk, cols, W_IN, W_OUT, W_OUT, DT) * ph_w
-                    d_beta_n += tl.sum(tl.sum(w * dwn, 1), 0)  # ∂β_n = Σ ⟨W⁰, ∂W'⟩
-                    dw0 = beta_n * dwn + _mm(h_t, beta[:, None] * dr, PREC_STATE) + _mm(a_t, dp, PREC_STATE)
+                    if CHANNELS:  # β_n per column, β ⊙ ∂r from the scratch (∂β_n was taken with the update's)
+                        beta_end = tl.load(nn_b + 6 * CHP * CHP + OUT_OFF + cols, mask=cols < W_OUT, other=0.0).to(DT)
+                        dw0 = beta_end[None, :] * dwn + _mm(h_t, _ld(hw_b + OUT_OFF, rows, cols, CHP, W_OUT, OUT_T,
+                                                                     DT), PREC_STATE) + _mm(a_t, dp, PREC_STATE)
+                    else:
+                        d_beta_n += tl.sum(tl.sum(w * dwn, 1), 0)  # ∂β_n = Σ ⟨W⁰, ∂W'⟩
+                        dw0 = beta_n * dwn + _mm(h_t, beta[:, None] * dr, PREC_STATE) + _mm(a_t, dp, PREC_STATE)
                     if i > 0:
                         dw0 += _mm(dm_t, _ld(dl_b + OUT_OFF, rows, cols, CHP, W_OUT, OUT_T, DT), PREC_STATE)
                     _st(dwb + ST, dw0, kk, cols, W_IN, W_OUT, W_OUT)
@@ -989,10 +1203,32 @@ def _backward_kernel(
         d_beta += tl.where(rows == last, d_beta_n, 0.0)
         d_c += tl.where(rows == last, d_c_n, 0.0)
         tl.store(dbeta_ptr + dec + rows, d_beta.to(dbeta_ptr.dtype.element_ty), mask=vrows)
-        tl.store(dc_ptr + dec + rows, d_c.to(dc_ptr.dtype.element_ty), mask=vrows)
+        if CHANNELS:  # c's place holds e: its gradient, gathered by the layers
+            tl.store(dc_ptr + dec + rows, d_e.to(dc_ptr.dtype.element_ty), mask=vrows)
+        else:
+            tl.store(dc_ptr + dec + rows, d_c.to(dc_ptr.dtype.element_ty), mask=vrows)
 
 
 # --- the autograd function ---------------------------------------------------------------------------------------
+
+
+def _channel_gates(eta: Tensor, alpha: Tensor, chunk_size: int) -> tuple[ChunkDecays, Tensor]:
+    """α per channel (`alpha` [BH, seq, Σ d_out], every layer's columns side by side): η's decays as the kernels read
+    them, `ChunkDecays(β=0, c=e, D=E, E_last, e_last)` padded like `_padded_decays` (β, c and D = B E are per column,
+    formed in the kernels), and the log-keeps log(1 − α) (`decays.log_keep`). Differentiable, like
+    `_padded_decays`."""
+    seq = eta.shape[1]
+    full = seq - seq % chunk_size
+    blocks = ([eta[:, :full].unflatten(-1, (-1, chunk_size))] if full else []) + \
+        ([eta[:, full:].unsqueeze(1)] if full < seq else [])
+    parts = []
+    for block in blocks:
+        E, e = momentum_decays(block)
+        pad = chunk_size - block.shape[-1]
+        parts.append(ChunkDecays(F.pad(torch.zeros_like(e), (0, pad)), F.pad(e, (0, pad)), F.pad(E, (0, pad, 0, pad)),
+                                 F.pad(E[..., -1, :], (0, pad)), e[..., -1]))
+    dec = ChunkDecays(*(torch.cat(p, dim=1).contiguous() for p in zip(*parts)))
+    return dec, log_keep(alpha).contiguous()
 
 
 def _padded_decays(eta: Tensor, alpha: Tensor, chunk_size: int) -> ChunkDecays:
@@ -1041,7 +1277,7 @@ def _loss_of(cfg: ScanConfig) -> tuple[int, float, float, float]:
 
 
 def launch_of(cfg: ScanConfig, geo: Geometry, q: Tensor, state_dtype: torch.dtype, device, gated: bool,
-              tiles: Optional[Tiles] = None, precision: str = "ieee") -> Launch:
+              tiles: Optional[Tiles] = None, precision: str = "ieee", channels: bool = False) -> Launch:
     """The kernels' constexprs and run-time numbers for a call: the one place that turns the rule into them."""
     tiles = tiles or choose_tiles(geo, state_dtype, cfg.chunk_size)
     rule = cfg.rule
@@ -1051,7 +1287,7 @@ def launch_of(cfg: ScanConfig, geo: Geometry, q: Tensor, state_dtype: torch.dtyp
         D_IN=geo.d_in, HID=geo.hidden, D_OUT=geo.d_out, DEPTH=geo.depth, CH=cfg.chunk_size,
         CHP=_pow2(cfg.chunk_size), BK=tiles.BK, BN=tiles.BN, ACT=_ACTIVATION_CODES[rule.activation],
         RESIDUAL=rule.residual, GRAD_BOUND=rule.max_grad_norm is not None, STATE_BOUND=rule.max_state_norm is not None,
-        NORMALIZE=rule.normalize_chunk, LOSS=code, GATED=gated,
+        NORMALIZE=rule.normalize_chunk, LOSS=code, GATED=gated, CHANNELS=channels,
         **PRECISIONS["ieee" if state_dtype == torch.float64 else precision], DT=dt, num_warps=tiles.warps,
         num_stages=tiles.stages,
     )
@@ -1089,16 +1325,28 @@ def _scratch(geo: Geometry, bh: int, chp: int, like: Tensor, backward: bool = Fa
     n_in, n_out, n_n = chp * geo.in_total, chp * geo.out_total, geo.depth * chp * chp
     row = 2 * n_in + 2 * n_out + chp * geo.d_out + 2 * n_n
     if backward:
-        row += 8 * n_out + n_n + n_in + 5 * chp * chp
+        row += 8 * n_out + n_n + n_in + 6 * chp * chp + geo.out_total
     return like.new_zeros((bh, row))
 
 
-def _run_forward(launch: Launch, q, k, v, theta, gate, dec: ChunkDecays, w, s, saved: Optional[list[Tensor]],
+class Gating(NamedTuple):
+    """A call's gates as the kernels read them: θ, the loss's gate (θ again where the loss has none), the gate algebra
+    (`_padded_decays`, or `_channel_gates` with α per channel) and the log-keeps (None for the scalar α)."""
+
+    theta: Tensor
+    gate: Tensor
+    dec: ChunkDecays
+    lk: Optional[Tensor]
+
+
+def _run_forward(launch: Launch, q, k, v, gating: Gating, w, s, saved: Optional[list[Tensor]],
                  save_every: int, y, scales, scratch: Tensor, chunks: range) -> None:
     """The forward kernel over `chunks`, the state (w, s) updated in place."""
     bh, seq = q.shape[0], q.shape[1]
+    dec = gating.dec
     _forward_kernel[(bh,)](
-        q, k, v, theta, gate, *dec, launch.params, launch.radii, w, s, *(saved or (w, s)), y,
+        q, k, v, gating.theta, gating.gate, *dec, gating.theta if gating.lk is None else gating.lk, launch.params,
+        launch.radii, w, s, *(saved or (w, s)), y,
         launch.params if scales is None else scales, scratch, scratch.shape[1],
         bh, seq, dec.beta.shape[1], chunks.start, chunks.stop, save_every, **launch.constexprs,
         **launch.options)
@@ -1116,11 +1364,13 @@ class TritonChunk(torch.autograd.Function):
                 *state):  # type: ignore[override]
         W, S = list(state[0::2]), list(state[1::2])
         geo = geometry_of(W)
-        launch = launch_of(cfg, geo, q, W[0].dtype, q.device, gate is not None, tiles, precision)
+        channels = alpha.dim() == 3  # α per channel: [BH, seq, Σ d_out]
+        launch = launch_of(cfg, geo, q, W[0].dtype, q.device, gate is not None, tiles, precision, channels)
         chp = launch.constexprs["CHP"]
         bh = q.shape[0]
         num_chunks = -(-q.shape[1] // cfg.chunk_size)
-        dec = _padded_decays(eta, alpha, cfg.chunk_size)
+        dec, lk = _channel_gates(eta, alpha, cfg.chunk_size) if channels else \
+            (_padded_decays(eta, alpha, cfg.chunk_size), None)
         groups = _groups(num_chunks, cfg.group_chunks) if cfg.record else [range(num_chunks)]
         # One group: every chunk's starting state; several: each group's first.
         save_every = (1 if len(groups) == 1 else len(groups[0])) if cfg.record else 0
@@ -1131,11 +1381,11 @@ class TritonChunk(torch.autograd.Function):
         scales = w.new_ones(num_chunks, bh, 2 * geo.depth) if cfg.rule.max_state_norm is not None else None
         scratch = _scratch(geo, bh, chp, w)
         gate_arg = theta if gate is None else gate
-        _run_forward(launch, q, k, v, theta, gate_arg, dec, w, s, saved, save_every, y, scales, scratch,
+        _run_forward(launch, q, k, v, Gating(theta, gate_arg, dec, lk), w, s, saved, save_every, y, scales, scratch,
                      range(num_chunks))
         if cfg.record:
             ctx.cfg, ctx.precision, ctx.tiles, ctx.geo = cfg, precision, tiles, geo
-            ctx.scales, ctx.groups, ctx.gated = scales, groups, gate is not None
+            ctx.scales, ctx.groups, ctx.gated, ctx.channels = scales, groups, gate is not None, channels
             # An output the loss does not use gets None in the backward pass, not a state-sized tensor of zeros.
             ctx.set_materialize_grads(False)
             ctx.save_for_backward(q, k, v, theta, gate_arg, eta, alpha, *saved)
@@ -1154,14 +1404,18 @@ class TritonChunk(torch.autograd.Function):
         cfg: ScanConfig = ctx.cfg
         geo: Geometry = ctx.geo
         q, k, v, theta, gate, eta, alpha, saved_w, saved_s = ctx.saved_tensors
-        launch = launch_of(cfg, geo, q, saved_w.dtype, q.device, ctx.gated, ctx.tiles, ctx.precision)
+        channels = ctx.channels
+        launch = launch_of(cfg, geo, q, saved_w.dtype, q.device, ctx.gated, ctx.tiles, ctx.precision, channels)
         chp = launch.constexprs["CHP"]
         bh = q.shape[0]
         with torch.enable_grad():  # the gate algebra is differentiated by autograd, from this graph
             eta_, alpha_ = eta.detach().requires_grad_(), alpha.detach().requires_grad_()
-            graph = _padded_decays(eta_, alpha_, cfg.chunk_size)
+            graph, lk = _channel_gates(eta_, alpha_, cfg.chunk_size) if channels else \
+                (_padded_decays(eta_, alpha_, cfg.chunk_size), None)
         dec = ChunkDecays(*(x.detach() for x in graph))
         d_dec = ChunkDecays(*(torch.zeros_like(x) for x in dec))
+        gating = Gating(theta, gate, dec, None if lk is None else lk.detach())
+        d_lk = torch.zeros_like(gating.lk) if channels else d_dec.beta  # (a placeholder the kernel does not touch)
         shapes = geo.layer_shapes()
 
         def packed(grads):  # the incoming gradient of the end state, packed; zeros where the loss left it out
@@ -1184,15 +1438,19 @@ class TritonChunk(torch.autograd.Function):
             starts = (saved_w, saved_s)
             if len(groups) > 1:  # recompute the group's chunk states from its saved first one
                 w, s = saved_w[g].clone(), saved_s[g].clone()
-                _run_forward(launch, q, k, v, theta, gate, dec, w, s, [group_w, group_s], 1, scratch_y,
-                             ctx.scales, scratch, chunks)
+                _run_forward(launch, q, k, v, gating, w, s, [group_w, group_s], 1, scratch_y, ctx.scales, scratch,
+                             chunks)
                 starts = (group_w, group_s)
             _backward_kernel[(bh,)](
-                q, k, v, theta, gate, *dec, launch.params, *starts, dy, d_state,
-                d_q, d_k, d_v, d_theta, d_gate, *d_dec, launch.params if ctx.scales is None else ctx.scales,
+                q, k, v, theta, gate, *dec, gating.theta if lk is None else gating.lk, launch.params, *starts, dy,
+                d_state, d_q, d_k, d_v, d_theta, d_gate, *d_dec, d_lk,
+                launch.params if ctx.scales is None else ctx.scales,
                 scratch, scratch.shape[1], bh, q.shape[1], dec.beta.shape[1], chunks.start, chunks.stop,
                 **launch.constexprs, **launch.options)
-        d_eta, d_alpha = torch.autograd.grad(list(graph), (eta_, alpha_), list(d_dec))
+        if channels:  # (β is not one of the channel path's decays: its place holds zeros)
+            d_eta, d_alpha = torch.autograd.grad([*graph[1:], lk], (eta_, alpha_), [*d_dec[1:], d_lk])
+        else:
+            d_eta, d_alpha = torch.autograd.grad(list(graph), (eta_, alpha_), list(d_dec))
         d_state = [t for pair in zip(_unpack(d_state[:, 0], geo), _unpack(d_state[:, 1], geo)) for t in pair]
         return (None, None, None, d_q, d_k, d_v, d_theta, d_gate if ctx.gated else None, d_eta, d_alpha, *d_state)
 
