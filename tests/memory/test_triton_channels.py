@@ -12,7 +12,7 @@ if not torch.cuda.is_available():  # (tests/conftest.py sets it first, before an
 pytest.importorskip("triton", reason="triton is not installed (pip install -c constraints.txt -e '.[gpu]')")
 
 from .test_functional import channel_alpha, max_diff, with_grad  # noqa: E402
-from .test_triton import BOUNDS, inputs, on_device, outputs_and_grads  # noqa: E402
+from .test_triton import BOUNDS, DEVICE, inputs, on_device, outputs_and_grads  # noqa: E402
 
 # α per output column of every layer (the kernels form each column's decays from its log-keeps): the shape classes
 # where the per-column algebra differs (one layer and several, a ragged chunk, several column tiles, chunks of one
@@ -59,3 +59,21 @@ def test_channel_wise_forgetting_with_saturated_gates():
     plain = outputs_and_grads(args, "autograd", chunk_size=4, **BOUNDS)
     assert max_diff(got[0], plain[0]) <= 1e-5
     assert max_diff(got[1], plain[1]) <= 1e-4
+
+
+def test_the_layer_with_channel_wise_forgetting_runs_the_kernels():
+    """NeuralMemory(forgetting_channels) asked for the kernels gets them (one α per output column of each layer, split
+    from its gate projection), with the autograd path's numbers in float32 (within 1e-5; the parameters' gradients
+    relative to their size)."""
+    from titans.memory import MemoryRule, NeuralMemory
+
+    torch.manual_seed(0)
+    rule = MemoryRule(forgetting_channels=True)
+    layers = [NeuralMemory(8, heads=2, depth=2, expansion=2, chunk_size=4, rule=rule, implementation=name).to(DEVICE)
+              for name in ("autograd", "triton")]
+    layers[1].load_state_dict(layers[0].state_dict())
+    x = torch.randn(1, 6, 8, device=DEVICE)
+    outs = [layer(x)[0] for layer in layers]
+    assert (outs[0] - outs[1]).abs().max().item() <= 1e-5
+    grads = [torch.autograd.grad(out.square().sum(), list(layer.parameters())) for out, layer in zip(outs, layers)]
+    assert max(((a - b).abs().max() / b.abs().max().clamp_min(1.0)).item() for a, b in zip(*grads)) <= 1e-5
