@@ -252,6 +252,9 @@ def test_a_cuda_call_the_kernels_cannot_serve_warns_once_and_runs_fused(monkeypa
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert serving_implementation(None, q, theta, alpha, deep) == "fused"
+        # a channel-wise α falls back to the autograd path (the fused scan takes the scalar gate only)
+        channels = tuple(alpha.unsqueeze(-1).expand(*alpha.shape, w.shape[-1]) for w in deep)
+        assert serving_implementation(None, q, theta, channels, deep) == "autograd"
 
 
 def test_the_layer_runs_the_implementation_it_is_given():

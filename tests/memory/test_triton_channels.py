@@ -15,11 +15,10 @@ from .test_functional import channel_alpha, max_diff, with_grad  # noqa: E402
 from .test_triton import BOUNDS, DEVICE, inputs, on_device, outputs_and_grads  # noqa: E402
 
 # α per output column of every layer (the kernels form each column's decays from its log-keeps): the shape classes
-# where the per-column algebra differs (one layer and several, a ragged chunk, several column tiles, chunks of one
+# where the per-column algebra differs (two layers and three, a ragged chunk, several column tiles, chunks of one
 # token) with every switch that touches it (the bounds, the normalised chunk step, the hidden step, recomputation
 # groups).
 CHANNEL_CASES = {
-    "linear, residual": (1, 11, 4, (4, 8), dict(residual=True)),
     "deep, the default rule, recomputation groups": (2, 11, 4, (4, 8),
                                                      dict(normalize_chunk=True, checkpoint_chunks=2, **BOUNDS)),
     "depth 3, hidden step, silu, chunks of one token": (3, 3, 1, (4, 8), dict(activation="silu", hidden_step=0.3)),

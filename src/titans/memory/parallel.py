@@ -288,7 +288,8 @@ def serving_implementation(implementation: Optional[str], q: Tensor, theta: Thet
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None, got {implementation!r}")
     if not isinstance(theta, Tensor) or q.shape[2] == 0:
         return "autograd"
-    if not isinstance(alpha, Tensor) and implementation not in (None, "triton"):
+    fallback = "fused" if isinstance(alpha, Tensor) else "autograd"  # where the kernels do not run the call
+    if fallback == "autograd" and implementation not in (None, "triton"):
         return "autograd"
     if implementation == "compile" and (reason := compile_unavailable(q.device.type)) is not None:
         raise ValueError(f"implementation='compile' cannot serve this call: {reason}")
@@ -300,13 +301,13 @@ def serving_implementation(implementation: Optional[str], q: Tensor, theta: Thet
             raise ValueError(f"implementation='triton' cannot serve this call: {reason}")
     if implementation is None:  # triton is imported only for CUDA tensors
         if not q.is_cuda:
-            return "fused" if isinstance(alpha, Tensor) else "autograd"
+            return fallback
         scan = _triton_scan()
         reason = "triton is not installed (pip install 'titans[gpu]')" if scan is None else \
             scan.unsupported(q, weights, chunk_size, rule)
         if reason is not None:
             _warn_fallback(reason)
-            return "fused" if isinstance(alpha, Tensor) else "autograd"
+            return fallback
         return "triton"
     return implementation
 
