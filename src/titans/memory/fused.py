@@ -402,17 +402,18 @@ def _bounds(j: int, seq: int, chunk_size: int) -> tuple[int, int]:
     return j * chunk_size, min((j + 1) * chunk_size, seq)
 
 
+def chunk_blocks(x: Tensor, chunk_size: int) -> list[Tensor]:
+    """A per-token gate `[BH, seq, ...]` as its full chunks `[BH, chunks, n, ...]` (where there are any), then its
+    ragged tail `[BH, 1, r, ...]` (where there is one): the blocks whose decays are computed in one batch each."""
+    seq = x.shape[1]
+    full = seq - seq % chunk_size
+    return ([x[:, :full].unflatten(1, (-1, chunk_size))] if full else []) + \
+        ([x[:, full:].unsqueeze(1)] if full < seq else [])
+
+
 def _block_decays(eta: Tensor, alpha: Tensor, chunk_size: int) -> list[ChunkDecays]:
     """Decays of all full chunks in one batched computation (chunk dim 1), then of the ragged tail."""
-    seq = eta.shape[1]
-    full = seq - seq % chunk_size
-    blocks = []
-    if full:
-        blocks.append(decay_terms(eta[:, :full].unflatten(-1, (-1, chunk_size)),
-                                  alpha[:, :full].unflatten(-1, (-1, chunk_size))))
-    if full < seq:
-        blocks.append(decay_terms(eta[:, full:].unsqueeze(1), alpha[:, full:].unsqueeze(1)))
-    return blocks
+    return [decay_terms(e, a) for e, a in zip(chunk_blocks(eta, chunk_size), chunk_blocks(alpha, chunk_size))]
 
 
 def _decays_of(blocks: list[ChunkDecays], j: int) -> ChunkDecays:

@@ -54,7 +54,7 @@ from torch import Tensor
 
 from .checks import without_autocast
 from .decays import log_keep, momentum_decays
-from .fused import ChunkDecays, ScanConfig, _block_decays, _groups, refuse_double_backward
+from .fused import ChunkDecays, ScanConfig, _block_decays, _groups, chunk_blocks, refuse_double_backward
 from .rule import MemoryRule
 
 # Set before this module is imported (`triton.jit` reads it when it decorates): the kernels run on CPU tensors, in
@@ -1217,12 +1217,8 @@ def _channel_gates(eta: Tensor, alpha: Tensor, chunk_size: int) -> tuple[ChunkDe
     them, `ChunkDecays(β=0, c=e, D=E, E_last, e_last)` padded like `_padded_decays` (β, c and D = B E are per column,
     formed in the kernels), and the log-keeps log(1 − α) (`decays.log_keep`). Differentiable, like
     `_padded_decays`."""
-    seq = eta.shape[1]
-    full = seq - seq % chunk_size
-    blocks = ([eta[:, :full].unflatten(-1, (-1, chunk_size))] if full else []) + \
-        ([eta[:, full:].unsqueeze(1)] if full < seq else [])
     parts = []
-    for block in blocks:
+    for block in chunk_blocks(eta, chunk_size):
         E, e = momentum_decays(block)
         pad = chunk_size - block.shape[-1]
         parts.append(ChunkDecays(F.pad(torch.zeros_like(e), (0, pad)), F.pad(e, (0, pad)), F.pad(E, (0, pad, 0, pad)),
