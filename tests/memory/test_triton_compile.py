@@ -26,7 +26,7 @@ from .test_functional import channel_alpha, with_grad  # noqa: E402
 from .test_triton import BOUNDS, inputs, on_device, outputs_and_grads  # noqa: E402
 
 KERNELS = ("_forward_kernel", "_backward_kernel")
-SPILL_CHANNELS_64 = 512  # bytes: the one variant that spills (measured 36 forward, 296 / 352 backward)
+SPILL_CHANNELS_64 = 192  # bytes: the one variant that spills (measured 36 / 44 forward, 128 / 156 backward)
 TRITON_TYPES = {torch.float32: "fp32", torch.float64: "fp64", torch.bfloat16: "bf16", torch.float16: "fp16",
                 torch.int32: "i32", torch.int64: "i64"}
 
@@ -143,8 +143,9 @@ def test_the_kernels_compile_for_h100_and_a100(monkeypatch, tmp_path):
         assert "error" not in result, (where, result.get("error"))
         assert result["shared"] <= triton_chunk.SHARED_MEMORY_LIMIT[launch["arch"]], (where, result["shared"])
         if launch["constexprs"]["CHANNELS"] and launch["constexprs"]["CH"] == 64:
-            # Known and open (docs/bench/gpu/NOTES.md): with α per channel at chunks of 64 the r-loop's n × n
-            # matrices (16 registers a thread each) do not all fit beside the rest; the spill is held where it is.
+            # Known and open (docs/bench/gpu/NOTES.md): with α per channel at chunks of 64 the kernels' n × n
+            # matrices (16 registers a thread each) do not all fit beside the rest; what spills (at the chunk's and
+            # the layers' start, none in the r-loop) is held where it is.
             assert result["spill_stores"] <= SPILL_CHANNELS_64 and result["spill_loads"] <= SPILL_CHANNELS_64, \
                 (where, result)
         else:

@@ -452,14 +452,14 @@ def _lk_row(lk_tok, r, cols, n_valid, W_OUT, OUT_T: tl.constexpr, DT: tl.constex
 
 
 @triton.jit
-def _channel_step_r(span, lk_tok, E_at, e, r, rows, cols, n_valid, W_OUT, OUT_T: tl.constexpr, CH: tl.constexpr,
+def _channel_step_r(span, lk_tok, E_at, r, rows, cols, n_valid, W_OUT, OUT_T: tl.constexpr, CH: tl.constexpr,
                     DT: tl.constexpr):
     """One step of the r-loop (r from the last row down): the range sums span[t,j] = Σ_{r<j'≤t} lk_j[j'] (t > r, else
-    0) carried from r + 1, B_r[t,j] = B_j[t,r] (t ≥ r, else 0), and E's row r and e_r (e: the vector, read)."""
+    0) carried from r + 1, B_r[t,j] = B_j[t,r] (t ≥ r, else 0), and E's row r."""
     span = tl.where(rows[:, None] > r, span + _lk_row(lk_tok, r + 1, cols, n_valid, W_OUT, OUT_T, DT)[None, :], 0.0)
     B_r = tl.where(rows[:, None] >= r, tl.exp(span), 0.0)
     E_r = tl.load(E_at + r * CH + rows, mask=(rows < n_valid) & (rows * 0 + r < n_valid), other=0.0).to(DT)
-    return span, B_r, E_r, _entry(e, rows, r)
+    return span, B_r, E_r
 
 
 @triton.jit
@@ -473,7 +473,8 @@ def _channel_retrieval(H, st, lk_tok, E_at, e, cols, n_valid, rows, W_OUT, OUT_T
     span = tl.zeros([CHP, BN], DT)
     for rr in range(CHP):
         r = CHP - 1 - rr
-        span, B_r, E_r, e_r = _channel_step_r(span, lk_tok, E_at, e, r, rows, cols, n_valid, W_OUT, OUT_T, CH, DT)
+        span, B_r, E_r = _channel_step_r(span, lk_tok, E_at, r, rows, cols, n_valid, W_OUT, OUT_T, CH, DT)
+        e_r = _entry(e, rows, r)
         term += B_r * _mm(H * E_r[None, :], st, PREC)
         c += B_r * e_r
     return term, c, keep
@@ -492,7 +493,7 @@ def _channel_end(lk_tok, E, e, cols, n_valid, rows, W_OUT, OUT_T: tl.constexpr, 
 
 
 @triton.jit
-def _channel_queries_grad(dy_tok, dr_b, dl_b, hw_b, hs_b, ddl_b, H, lk_tok, dlk_tok, E_at, e, dH_b, dE_b, rho, i,
+def _channel_queries_grad(dy_tok, dr_b, dl_b, hw_b, hs_b, ddl_b, H, lk_tok, dlk_tok, E_at, e_at, dH_b, dE_b, rho, i,
                           n_valid, rows, rn, W_OUT, OUT_OFF, D_OUT: tl.constexpr, OUT_T: tl.constexpr,
                           DEPTH: tl.constexpr, CH: tl.constexpr, CHP: tl.constexpr, BN: tl.constexpr,
                           PREC: tl.constexpr, DT: tl.constexpr):
@@ -514,27 +515,30 @@ def _channel_queries_grad(dy_tok, dr_b, dl_b, hw_b, hs_b, ddl_b, H, lk_tok, dlk_
         d_c = dr * _ld(hs_b + OUT_OFF, rows, cols, CHP, W_OUT, OUT_T, DT)
         # β[t] = exp(Σ_{j'≤t} lk[j']): ∂lk[j'] = Σ_{t≥j'} ∂β[t] β[t]
         lk_grad = tl.cumsum(dr * _ld(hw_b + OUT_OFF, rows, cols, CHP, W_OUT, OUT_T, DT) * keep, 0, reverse=True)
+        _st(hw_b + OUT_OFF, keep * dr, rows, cols, CHP, W_OUT, OUT_T)  # (now, so that β is not held through the loop)
         c = tl.zeros([CHP, BN], DT)
         d_st = tl.zeros([CHP, BN], DT)
         span = tl.zeros([CHP, BN], DT)
         d_H = tl.zeros([CHP, CHP], DT)
         for rr in range(CHP):
             r = CHP - 1 - rr
-            span, B_r, E_r, e_r = _channel_step_r(span, lk_tok + OUT_OFF, E_at, e, r, rows, cols, n_valid, W_OUT,
-                                                  OUT_T, CH, DT)
-            G = H * E_r[None, :]
+            span, B_r, E_r = _channel_step_r(span, lk_tok + OUT_OFF, E_at, r, rows, cols, n_valid, W_OUT, OUT_T, CH,
+                                             DT)
+            e_r = tl.load(e_at + r, mask=r < n_valid, other=0.0).to(DT)  # (read here: held as a vector, it spilled)
+            # H ⊙ E[r,:] = H diag(E[r,:]) is never formed: its products take E[r,:] on their n × BN side
+            Es = E_r[:, None] * st
             Q = B_r * dr
             # B_r[t] = exp(Σ_{r<j'≤t} lk[j']): ∂lk[j'] = Σ_{t≥j'} ∂B_r[t] B_r[t] for j' > r
-            d_B = d_c * e_r - dr * _mm(G, st, PREC)
+            d_B = d_c * e_r - dr * _mm(H, Es, PREC)
             lk_grad += tl.where(rows[:, None] > r, tl.cumsum(d_B * B_r, 0, reverse=True), 0.0)
             d_e += tl.where(rows == r, tl.sum(tl.sum(d_c * B_r, 1), 0), 0.0)
             c += B_r * e_r
-            d_st -= _mm(tl.trans(G), Q, PREC)
-            T = _mm(Q, tl.trans(st), PREC)  # −∂(H ⊙ E[r,:])
-            d_H -= T * E_r[None, :]
-            tl.store(dE_b + r * CHP + rows, tl.load(dE_b + r * CHP + rows) - tl.sum(T * H, 0))
+            P = _mm(tl.trans(H), Q, PREC)
+            d_st -= E_r[:, None] * P
+            d_H -= _mm(Q, tl.trans(Es), PREC)
+            # −∂E[r,s] = Σ_t (Q stᵀ)[t,s] H[t,s] = Σ_j st[s,j] (Hᵀ Q)[s,j]
+            tl.store(dE_b + r * CHP + rows, tl.load(dE_b + r * CHP + rows) - tl.sum(st * P, 1))
         _st(dH_b, _ld(dH_b, rows, rows, CHP, CHP, CHP, DT) + d_H, rows, rows, CHP, CHP, CHP)
-        _st(hw_b + OUT_OFF, keep * dr, rows, cols, CHP, W_OUT, OUT_T)
         _st(hs_b + OUT_OFF, c * dr, rows, cols, CHP, W_OUT, OUT_T)
         _st(ddl_b + OUT_OFF, d_st, rows, cols, CHP, W_OUT, OUT_T)
         _st(dlk_tok + OUT_OFF, lk_grad, rows, cols, n_valid, W_OUT, OUT_T)
@@ -917,19 +921,19 @@ def _backward_kernel(
             ph_w = _entry(PHI, fidx, i)
             ph_s = _entry(PHI, fidx, 4 + i)
             if CHANNELS:  # the retrieval's per-column terms (`_channel_queries_grad`); M = −∂(h aᵀ) = −∂H ⊙ C
-                ha = _ld(ha_b + i * CHP * CHP, rows, rows, CHP, CHP, CHP, DT)
-                C = _ld(nn_b, rows, rows, CHP, CHP, CHP, DT)
+                H = _ld(nn_b, rows, rows, CHP, CHP, CHP, DT) * _ld(ha_b + i * CHP * CHP, rows, rows, CHP, CHP, CHP, DT)
                 d_e += _channel_queries_grad(
-                    dy_ptr + tok * D_OUT, dr_b, dl_b, hw_b, hs_b, ddl_b, C * ha, lk_tok, dlk_ptr + tok * OUT_T, E_at,
-                    tl.load(e_at + rows, mask=rows < n_valid, other=0.0).to(DT), nn_b + CHP * CHP,
+                    dy_ptr + tok * D_OUT, dr_b, dl_b, hw_b, hs_b, ddl_b, H, lk_tok, dlk_ptr + tok * OUT_T, E_at,
+                    e_at, nn_b + CHP * CHP,
                     nn_b + 5 * CHP * CHP, rho, i, n_valid, rows, rn, W_OUT, OUT_OFF, D_OUT, OUT_T, DEPTH, CH, CHP, BN,
                     PREC, DT)
                 tl.debug_barrier()
+                # (C and h aᵀ read again, not held through the r-loop, where at chunks of 64 they spilled)
                 d_H = _ld(nn_b + CHP * CHP, rows, rows, CHP, CHP, CHP, DT)  # (∂H, in M's place)
-                _st(nn_b + 3 * CHP * CHP, _ld(nn_b + 3 * CHP * CHP, rows, rows, CHP, CHP, CHP, DT) + d_H * ha, rows,
-                    rows, CHP, CHP, CHP)
+                _st(nn_b + 3 * CHP * CHP, _ld(nn_b + 3 * CHP * CHP, rows, rows, CHP, CHP, CHP, DT)
+                    + d_H * _ld(ha_b + i * CHP * CHP, rows, rows, CHP, CHP, CHP, DT), rows, rows, CHP, CHP, CHP)
                 tl.debug_barrier()
-                _st(nn_b + CHP * CHP, -(d_H * C), rows, rows, CHP, CHP, CHP)  # M
+                _st(nn_b + CHP * CHP, -(d_H * _ld(nn_b, rows, rows, CHP, CHP, CHP, DT)), rows, rows, CHP, CHP, CHP)  # M
             else:
                 # r_d = ∂r ρδᵀ (r −= (C ⊙ h aᵀ) ρ δ), ∂β = Σ ∂r ⊙ h W⁰, ∂c = Σ ∂r ⊙ h S⁰
                 r_d = tl.zeros([CHP, CHP], DT)
