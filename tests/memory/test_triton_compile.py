@@ -26,7 +26,12 @@ from .test_functional import channel_alpha, with_grad  # noqa: E402
 from .test_triton import BOUNDS, inputs, on_device, outputs_and_grads  # noqa: E402
 
 KERNELS = ("_forward_kernel", "_backward_kernel")
-SPILL_CHANNELS_64 = 192  # bytes: the one variant that spills (measured 36 / 44 forward, 128 / 156 backward)
+# Known and open (docs/bench/gpu/NOTES.md): the variants that spill, each held under a ceiling in bytes (stores and
+# loads), keyed by (α per channel, chunk, GPU); every other variant spills nothing. At chunks of 64 an n × n matrix is
+# 16 registers a thread. Measured: α per channel on sm_90, 36 / 44 forward and 128 / 156 backward (none in its
+# r-loop); on sm_80 the scalar α 108 / 108 and 292 / 396, α per channel 100 / 100 and 464 / 660 (offsets that the
+# compiler hoists out of the chunk loop, spilled at its start and read back in the passes).
+KNOWN_SPILLS = {(True, 64, 90): 192, (False, 64, 80): 512, (True, 64, 80): 768}
 TRITON_TYPES = {torch.float32: "fp32", torch.float64: "fp64", torch.bfloat16: "bf16", torch.float16: "fp16",
                 torch.int32: "i32", torch.int64: "i64"}
 
@@ -72,12 +77,13 @@ class LaunchRecorder:
 def model_geometries(channels: bool = False) -> list[tuple[dict, dict, int]]:
     """(constexprs, launch options, GPU) of real models' memories as the kernels compile them: a depth-2 memory of
     expansion 4 on heads of 64 and 128 (the benchmark's 64 × 256 and 128 × 512) and a depth-4 one, at the default
-    chunk of 16 and at 32, for sm_90 and for sm_80; and at the largest chunk, 64. With α per channel (a variant of
-    its own), the depth-2 memories on sm_90 at chunks of 16 and 64."""
+    chunk of 16 and at 32, for sm_90 and for sm_80; and at the largest chunk, 64, for both. With α per channel (a
+    variant of its own), the depth-2 memories at chunks of 16 and 64."""
     cases = [(64, 256, 2, 16, 90), (128, 512, 2, 16, 90), (64, 256, 4, 16, 90), (64, 256, 2, 32, 90),
-             (64, 256, 2, 16, 80), (128, 512, 2, 16, 80), (64, 256, 2, 64, 90)]
+             (64, 256, 2, 16, 80), (128, 512, 2, 16, 80), (64, 256, 2, 64, 90), (64, 256, 2, 64, 80)]
     if channels:
-        cases = [(64, 256, 2, 16, 90), (128, 512, 2, 16, 90), (64, 256, 2, 64, 90)]
+        cases = [(64, 256, 2, 16, 90), (128, 512, 2, 16, 90), (64, 256, 2, 64, 90), (64, 256, 2, 16, 80),
+                 (64, 256, 2, 64, 80)]
     shapes = []
     for d, hidden, depth, chunk, arch in cases:
         geo = triton_chunk.Geometry(depth, d, hidden, d)
@@ -117,9 +123,9 @@ def test_the_kernels_compile_for_h100_and_a100(monkeypatch, tmp_path):
     in the chunk loop go through local memory on every chunk. So the kernels, as a model trains them (bf16 inputs,
     a float32 state, the default rule, at real memory sizes, with the paper's scalar α and with α per channel), are
     compiled by triton's compiler and ptxas for sm_90 (H100, H200) and sm_80 (A100): every variant asks for at most
-    the chip's shared memory and spills no register, the backward at chunks of 64 included (it spilled 880 bytes
-    before its n × n matrices left the registers), except α per channel at chunks of 64, whose spill is held under
-    SPILL_CHANNELS_64."""
+    the chip's shared memory and spills no register, the backward at chunks of 64 on sm_90 included (it spilled 880
+    bytes before its n × n matrices left the registers), except the chunk-64 variants in KNOWN_SPILLS, each held
+    under its ceiling."""
     pytest.importorskip("triton.backends.nvidia.compiler", reason="triton has no CUDA backend here")
     launches = []
     for name in KERNELS:
@@ -142,11 +148,5 @@ def test_the_kernels_compile_for_h100_and_a100(monkeypatch, tmp_path):
         where = (launch["kernel"], launch["arch"], launch["constexprs"])
         assert "error" not in result, (where, result.get("error"))
         assert result["shared"] <= triton_chunk.SHARED_MEMORY_LIMIT[launch["arch"]], (where, result["shared"])
-        if launch["constexprs"]["CHANNELS"] and launch["constexprs"]["CH"] == 64:
-            # Known and open (docs/bench/gpu/NOTES.md): with α per channel at chunks of 64 the kernels' n × n
-            # matrices (16 registers a thread each) do not all fit beside the rest; what spills (at the chunk's and
-            # the layers' start, none in the r-loop) is held where it is.
-            assert result["spill_stores"] <= SPILL_CHANNELS_64 and result["spill_loads"] <= SPILL_CHANNELS_64, \
-                (where, result)
-        else:
-            assert result["spill_stores"] == 0 and result["spill_loads"] == 0, (where, result)
+        ceiling = KNOWN_SPILLS.get((launch["constexprs"]["CHANNELS"], launch["constexprs"]["CH"], launch["arch"]), 0)
+        assert result["spill_stores"] <= ceiling and result["spill_loads"] <= ceiling, (where, result)

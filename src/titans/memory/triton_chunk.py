@@ -280,9 +280,11 @@ def choose_tiles(geo: Geometry, dtype: torch.dtype, chunk_size: int = 16) -> Til
     element per thread keeps every product within 255 registers. Both kernels at chunks of up to 32 tokens get an
     explicit ceiling of 255: without it ptxas held the default model memory's forward (64 × 256, chunk 16) to 128
     registers and spilled 212 bytes, and the depth-4 memory's backward 152; with it, none. At 64, left to ptxas, the
-    backward does best without one (392 bytes spilled under it). Both kernels compile for sm_90 and sm_80 without a
-    spilled register at every chunk size (tests/memory/test_triton_compile.py reads ptxas's report); the backward at
-    64 spilled 880 bytes before its n × n matrices and long-lived values left the registers (the kernel says how)."""
+    backward does best without one (392 bytes spilled under it). Both kernels compile for sm_90 without a spilled
+    register at every chunk size, and for sm_80 up to 32 (tests/memory/test_triton_compile.py reads ptxas's report);
+    the backward at 64 spilled 880 bytes before its n × n matrices and long-lived values left the registers (the
+    kernel says how). Open: at 64 on sm_80 both spill, as does the channel-wise α's variant on sm_90 (KNOWN_SPILLS in
+    that test)."""
     return Tiles(16, 16, 8, 1, 255 if _pow2(chunk_size) <= 32 else None)
 
 
