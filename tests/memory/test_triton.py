@@ -22,7 +22,7 @@ pytest.importorskip("triton", reason="triton is not installed (pip install -c co
 from titans.memory import MemoryRule, parallel_memory, sequential_memory, triton_chunk  # noqa: E402
 from titans.memory.parallel import serving_implementation  # noqa: E402
 
-from .test_functional import flat, gated, make_inputs, max_diff, paper, with_grad  # noqa: E402
+from .test_functional import channel_alpha, flat, gated, make_inputs, max_diff, paper, with_grad  # noqa: E402
 from .test_losses import CASES as LOSS_CASES  # noqa: E402
 from .test_losses import IDS as LOSS_IDS  # noqa: E402
 
@@ -139,6 +139,22 @@ def test_a_chunk_of_64_tokens():
     plain = outputs_and_grads(args, "autograd", chunk_size=64, normalize_chunk=True, **BOUNDS)
     assert max_diff(got[0], plain[0]) <= 1e-10
     assert max_diff(got[1], plain[1]) <= 1e-10
+
+
+@pytest.mark.parametrize("alpha", ["scalar", "per channel"])
+def test_the_tiles_chosen_at_chunks_of_64_on_a_100(alpha, monkeypatch):
+    """What `choose_tiles` gives at chunks of 64 on sm_80 (8 × 8, where 16 × 16 spilled more), at a chunk the
+    interpreter runs quickly (the tiles are the same code at every chunk): widths 9 and 17, so two and three tiles
+    a side with a ragged last one, against the token-by-token reference (≤ 1e-10), gradients included."""
+    tiles = triton_chunk.choose_tiles(triton_chunk.Geometry(2, 9, 17, 9), torch.float32, 64, 80, alpha != "scalar")
+    assert (tiles.BK, tiles.BN) == (8, 8)
+    monkeypatch.setattr(triton_chunk, "choose_tiles", lambda *args: tiles)
+    args = inputs(6, 2, dim=9, hidden=17, heads=1)
+    args = with_grad(on_device(channel_alpha(args) if alpha != "scalar" else args))
+    got = outputs_and_grads(args, "triton", chunk_size=4, normalize_chunk=True, **BOUNDS)
+    ref = outputs_and_grads(args, None, chunk_size=4, normalize_chunk=True, **BOUNDS)
+    assert max_diff(got[0], ref[0]) <= 1e-10
+    assert max_diff(got[1], ref[1]) <= 1e-10
 
 
 @pytest.mark.parametrize("depth", [1, 2])

@@ -28,10 +28,10 @@ from .test_triton import BOUNDS, inputs, on_device, outputs_and_grads  # noqa: E
 KERNELS = ("_forward_kernel", "_backward_kernel")
 # Known and open (docs/bench/gpu/NOTES.md): the variants that spill, each held under a ceiling in bytes (stores and
 # loads), keyed by (α per channel, chunk, GPU); every other variant spills nothing. At chunks of 64 an n × n matrix is
-# 16 registers a thread. Measured: α per channel on sm_90, 36 / 44 forward and 128 / 156 backward (none in its
-# r-loop); on sm_80 the scalar α 108 / 108 and 292 / 396, α per channel 100 / 100 and 464 / 660 (offsets that the
-# compiler hoists out of the chunk loop, spilled at its start and read back in the passes).
-KNOWN_SPILLS = {(True, 64, 90): 192, (False, 64, 80): 512, (True, 64, 80): 768}
+# 16 registers a thread. Measured with the tiles `choose_tiles` gives there (8 × 8 but for the scalar α on sm_90):
+# α per channel on sm_90, 0 forward and 24 / 32 backward; on sm_80 the scalar α 16 / 8 and 68 / 68, α per channel
+# 0 and 344 / 444 (at 16 × 16 tiles: 36 / 44 and 128 / 156; 108 / 108 and 292 / 396; 100 / 100 and 464 / 660).
+KNOWN_SPILLS = {(True, 64, 90): 32, (False, 64, 80): 68, (True, 64, 80): 444}
 TRITON_TYPES = {torch.float32: "fp32", torch.float64: "fp64", torch.bfloat16: "bf16", torch.float16: "fp16",
                 torch.int32: "i32", torch.int64: "i64"}
 
@@ -87,7 +87,7 @@ def model_geometries(channels: bool = False) -> list[tuple[dict, dict, int]]:
     shapes = []
     for d, hidden, depth, chunk, arch in cases:
         geo = triton_chunk.Geometry(depth, d, hidden, d)
-        tiles = triton_chunk.choose_tiles(geo, torch.float32, chunk)
+        tiles = triton_chunk.choose_tiles(geo, torch.float32, chunk, arch, channels)
         constexprs = dict(D_IN=d, HID=hidden, D_OUT=d, DEPTH=depth, CH=chunk, CHP=triton_chunk._pow2(chunk),
                           BK=tiles.BK, BN=tiles.BN)
         options = dict(num_warps=tiles.warps, num_stages=tiles.stages, maxnreg=tiles.maxnreg)

@@ -275,17 +275,33 @@ class Tiles:
     maxnreg: Optional[int] = None
 
 
-def choose_tiles(geo: Geometry, dtype: torch.dtype, chunk_size: int = 16) -> Tiles:
+def choose_tiles(geo: Geometry, dtype: torch.dtype, chunk_size: int = 16, arch: int = 90,
+                 channels: bool = False) -> Tiles:
     """16 × 16 tiles and 8 warps: a small product's FMA operands are a row and a column per thread, so one output
     element per thread keeps every product within 255 registers. Both kernels at chunks of up to 32 tokens get an
     explicit ceiling of 255: without it ptxas held the default model memory's forward (64 × 256, chunk 16) to 128
-    registers and spilled 212 bytes, and the depth-4 memory's backward 152; with it, none. At 64, left to ptxas, the
-    backward does best without one (392 bytes spilled under it). Both kernels compile for sm_90 without a spilled
-    register at every chunk size, and for sm_80 up to 32 (tests/memory/test_triton_compile.py reads ptxas's report);
-    the backward at 64 spilled 880 bytes before its n × n matrices and long-lived values left the registers (the
-    kernel says how). Open: at 64 on sm_80 both spill, as does the channel-wise α's variant on sm_90 (KNOWN_SPILLS in
-    that test)."""
-    return Tiles(16, 16, 8, 1, 255 if _pow2(chunk_size) <= 32 else None)
+    registers and spilled 212 bytes, and the depth-4 memory's backward 152; with it, none; both compile for sm_90 and
+    sm_80 (`arch`, the compute capability) without a spilled register (tests/memory/test_triton_compile.py reads
+    ptxas's report). At 64 an n × n matrix is 16 registers a thread and ptxas does best without a ceiling; there the
+    tiles depend on the chip and the α: the scalar α on sm_90 spills nothing at 16 × 16, and every other variant
+    spills least at 8 × 8 (two elements of a [64, 8] tile a thread; measured against 16 × 16, 16 × 8 and 8 × 16 and
+    with and without the ceiling, docs/bench/gpu/NOTES.md). Open: at 64 those still spill (KNOWN_SPILLS in that
+    test)."""
+    if _pow2(chunk_size) <= 32:
+        return Tiles(16, 16, 8, 1, 255)
+    if arch >= 90 and not channels:
+        return Tiles(16, 16, 8, 1, None)
+    return Tiles(8, 8, 8, 1, None)
+
+
+def arch_of(device) -> int:
+    """The compute capability of a CUDA device as a number (90: H100 and H200, 80: A100); 90 elsewhere (the
+    interpreter, where the tiles change nothing but the order of the sums)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return 90
+    major, minor = torch.cuda.get_device_capability(device)
+    return 10 * major + minor
 
 
 @triton.jit
@@ -1281,7 +1297,7 @@ def _loss_of(cfg: ScanConfig) -> tuple[int, float, float, float]:
 def launch_of(cfg: ScanConfig, geo: Geometry, q: Tensor, state_dtype: torch.dtype, device, gated: bool,
               tiles: Optional[Tiles] = None, precision: str = "ieee", channels: bool = False) -> Launch:
     """The kernels' constexprs and run-time numbers for a call: the one place that turns the rule into them."""
-    tiles = tiles or choose_tiles(geo, state_dtype, cfg.chunk_size)
+    tiles = tiles or choose_tiles(geo, state_dtype, cfg.chunk_size, arch_of(device), channels)
     rule = cfg.rule
     code, p, eps, delta = _loss_of(cfg)
     dt = tl.float64 if state_dtype == torch.float64 else tl.float32
