@@ -243,6 +243,18 @@ def _entry(vec, idx, at):
 
 
 @triton.jit
+def _factor(fw_at, fw_on, at, DT: tl.constexpr):
+    """A pending factor of the stored state (W_i at 2i, S_i at 2i + 1: the bounded state's min(1, R/‖X‖), kept per
+    chunk for the backward pass), read from fw_at where fw_on, else 1; fw_at None: no factors (the state unbounded,
+    or the backward's replay of the saved states). A scalar read where it is used: held through the chunk loop as a
+    vector, the factors and their addresses were what spilled at chunks of 64."""
+    if fw_at is None:
+        return 1.0
+    else:
+        return tl.load(fw_at + at, mask=fw_on, other=1.0).to(DT)
+
+
+@triton.jit
 def _row(m, rows, at):
     """Row `at` of m as a vector over its columns."""
     return tl.sum(tl.where(rows[:, None] == at, m, 0.0), axis=0)
@@ -281,14 +293,15 @@ def choose_tiles(geo: Geometry, dtype: torch.dtype, chunk_size: int = 16, arch: 
     element per thread keeps every product within 255 registers. Both kernels at chunks of up to 32 tokens get an
     explicit ceiling of 255: without it ptxas held the default model memory's forward (64 × 256, chunk 16) to 128
     registers and spilled 212 bytes, and the depth-4 memory's backward 152; with it, none; both compile for sm_90 and
-    sm_80 (`arch`, the compute capability) without a spilled register (tests/memory/test_triton_compile.py reads
-    ptxas's report). At 64 an n × n matrix is 16 registers a thread and ptxas does best without a ceiling; there the
-    tiles depend on the chip and the α: the scalar α on sm_90 spills nothing at 16 × 16, and every other variant
-    spills least at 8 × 8 (two elements of a [64, 8] tile a thread; measured against 16 × 16, 16 × 8 and 8 × 16 and
-    with and without the ceiling, docs/bench/gpu/NOTES.md). Open: at 64 those still spill (KNOWN_SPILLS in that
-    test)."""
+    sm_80 (`arch`, the compute capability) without a spilled register (tests/memory/test_triton_compile.py reads ptxas's
+    report), but for the scalar α's backward at hidden widths of 512 (128 × 512), which spilled 20 bytes at 16 × 16 on
+    sm_90 and none at 16 × 8 (α per channel the other way round: none at 16 × 16, 4 at 16 × 8). At 64 an n × n matrix is
+    16 registers a thread and ptxas does best without a ceiling; there the tiles depend on the chip and the α: the
+    scalar α on sm_90 spills nothing at 16 × 16, and every other variant spills least at 8 × 8 (two elements of a [64,
+    8] tile a thread; measured against 16 × 16, 16 × 8 and 8 × 16 and with and without the ceiling,
+    docs/bench/gpu/NOTES.md). Open: at 64 those backwards still spill (KNOWN_SPILLS in that test)."""
     if _pow2(chunk_size) <= 32:
-        return Tiles(16, 16, 8, 1, 255)
+        return Tiles(16, 8 if geo.hidden >= 512 and not channels else 16, 8, 1, 255)
     if arch >= 90 and not channels:
         return Tiles(16, 16, 8, 1, None)
     return Tiles(8, 8, 8, 1, None)
@@ -322,8 +335,8 @@ def _chunk_start(q_tok, k_tok, h_b, a_b, aa_b, n_valid, rows, rk,
 
 
 @triton.jit
-def _keys(wb, FW, fidx, k_tok, v_tok, e_b, a_b, p_b, dl_b, aa_b, dd_b, gamma, n_valid, rows, rk, rn, loss_p, loss_eps,
-          D_IN: tl.constexpr, HID: tl.constexpr, D_OUT: tl.constexpr, DEPTH: tl.constexpr, IN_T: tl.constexpr,
+def _keys(wb, fw_at, fw_on, k_tok, v_tok, e_b, a_b, p_b, dl_b, aa_b, dd_b, gamma, n_valid, rows, rk, rn, loss_p,
+          loss_eps, D_IN: tl.constexpr, HID: tl.constexpr, D_OUT: tl.constexpr, DEPTH: tl.constexpr, IN_T: tl.constexpr,
           OUT_T: tl.constexpr, CHP: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr, ACT: tl.constexpr,
           RESIDUAL: tl.constexpr, LOSS: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
     """Pass A: the keys at the chunk's starting weights, p_i = a_i W_i, a_{i+1} = σ(p_i), and the last layer's δ =
@@ -336,7 +349,7 @@ def _keys(wb, FW, fidx, k_tok, v_tok, e_b, a_b, p_b, dl_b, aa_b, dd_b, gamma, n_
         NEXT_IN = D_IN + i * HID
         OUT_OFF = i * HID
         ST = (i > 0) * (D_IN * HID + (i - 1) * HID * HID)
-        f_w = _entry(FW, fidx, i)
+        f_w = _factor(fw_at, fw_on, 2 * i, DT)
         gram = tl.zeros([CHP, CHP], DT)
         for jo in range(0, (W_OUT + BN - 1) // BN):
             cols = jo * BN + rn
@@ -369,7 +382,7 @@ def _keys(wb, FW, fidx, k_tok, v_tok, e_b, a_b, p_b, dl_b, aa_b, dd_b, gamma, n_
 
 
 @triton.jit
-def _deltas(wb, FW, fidx, p_b, dl_b, m_b, dd_b, rows, rk, rn,
+def _deltas(wb, fw_at, fw_on, p_b, dl_b, m_b, dd_b, rows, rk, rn,
             D_IN: tl.constexpr, HID: tl.constexpr, D_OUT: tl.constexpr, DEPTH: tl.constexpr, OUT_T: tl.constexpr,
             CHP: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr, ACT: tl.constexpr, RECORD: tl.constexpr,
             PREC: tl.constexpr, DT: tl.constexpr):
@@ -380,7 +393,7 @@ def _deltas(wb, FW, fidx, p_b, dl_b, m_b, dd_b, rows, rk, rn,
         NEXT_ST = D_IN * HID + i * HID * HID
         OUT_OFF = i * HID
         NEXT_OFF = (i + 1) * HID
-        f_w = _entry(FW, fidx, i + 1)
+        f_w = _factor(fw_at, fw_on, 2 * i + 2, DT)
         gram = tl.zeros([CHP, CHP], DT)
         for jo in range(0, (HID + BN - 1) // BN):
             cols = jo * BN + rn
@@ -564,7 +577,7 @@ def _channel_queries_grad(dy_tok, dr_b, dl_b, hw_b, hs_b, ddl_b, H, lk_tok, dlk_
 
 
 @triton.jit
-def _queries(wb, sb, FW, fidx, h_b, a_b, dl_b, r_b, hw_b, hs_b, ha_b, y_tok, scales_at, radii_ptr,
+def _queries(wb, sb, fw_at, fw_on, h_b, a_b, dl_b, r_b, hw_b, hs_b, ha_b, y_tok, scales_at, radii_ptr,
              beta, c, C_at, u_w, u_m, beta_n, c_n, e_n, hidden_step, n_valid, rows, rk, rn, E_at, e_at, lk_tok,
              D_IN: tl.constexpr, HID: tl.constexpr, D_OUT: tl.constexpr, DEPTH: tl.constexpr, IN_T: tl.constexpr,
              OUT_T: tl.constexpr, CH: tl.constexpr, CHP: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
@@ -575,8 +588,8 @@ def _queries(wb, sb, FW, fidx, h_b, a_b, dl_b, r_b, hw_b, hs_b, ha_b, y_tok, sca
     (+ q); with UPDATE the state after the chunk in place in the same tile loop (each tile read and written once):
     W' = β_n W⁰ + c_n S⁰ − a_iᵀ (C[n,:] ⊙ ρ_i δ_i), S' = e_n S⁰ − a_iᵀ (u_m ⊙ ρ_i δ_i), with its norms for the bounded
     state. C is read from the scratch at C_at. With α per channel (CHANNELS) β, c, β_n, c_n and C are per column,
-    formed from the log-keeps at lk_tok, E at E_at and e at e_at (`_channel_retrieval`, `_channel_end`). Returns the
-    factors of the state as it now stands (FW: W_i at i, S_i at 4 + i)."""
+    formed from the log-keeps at lk_tok, E at E_at and e at e_at (`_channel_retrieval`, `_channel_end`). The stored
+    matrices are read times their pending factors (`_factor`); the update's own go to scales_at."""
     valid = (rows < n_valid)[:, None]
     for i in range(DEPTH):
         W_IN = D_IN + (HID - D_IN) * (i > 0)
@@ -586,8 +599,8 @@ def _queries(wb, sb, FW, fidx, h_b, a_b, dl_b, r_b, hw_b, hs_b, ha_b, y_tok, sca
         OUT_OFF = i * HID
         ST = (i > 0) * (D_IN * HID + (i - 1) * HID * HID)
         rho = tl.where(i < DEPTH - 1, hidden_step, 1.0)  # ρ: the hidden layers step ρ θ (after the bounds saw it)
-        f_w = _entry(FW, fidx, i)
-        f_s = _entry(FW, fidx, 4 + i)
+        f_w = _factor(fw_at, fw_on, 2 * i, DT)
+        f_s = _factor(fw_at, fw_on, 2 * i + 1, DT)
         ha = tl.zeros([CHP, CHP], DT)
         for ji in range(0, (W_IN + BK - 1) // BK):
             kk = ji * BK + rk
@@ -658,17 +671,11 @@ def _queries(wb, sb, FW, fidx, h_b, a_b, dl_b, r_b, hw_b, hs_b, ha_b, y_tok, sca
                 new_s = tl.where(norm_s > radius * radius, radius / tl.sqrt(tl.maximum(norm_s, radius * radius)), 1.0)
                 tl.store(scales_at + 2 * i, new_w.to(scales_at.dtype.element_ty))
                 tl.store(scales_at + 2 * i + 1, new_s.to(scales_at.dtype.element_ty))
-                FW = tl.where(fidx == i, new_w, FW)
-                FW = tl.where(fidx == 4 + i, new_s, FW)
-            else:
-                FW = tl.where(fidx == i, 1.0, FW)
-                FW = tl.where(fidx == 4 + i, 1.0, FW)
         tl.debug_barrier()
-    return FW
 
 
 @triton.jit
-def _copy_state(src_w, src_s, dst_w, dst_s, FW, fidx, rk, rn,
+def _copy_state(src_w, src_s, dst_w, dst_s, fw_at, fw_on, rk, rn,
                 D_IN: tl.constexpr, HID: tl.constexpr, D_OUT: tl.constexpr, DEPTH: tl.constexpr,
                 BK: tl.constexpr, BN: tl.constexpr, DT: tl.constexpr):
     """dst = the state as it stands (each stored matrix times its pending factor); dst may be src."""
@@ -676,8 +683,8 @@ def _copy_state(src_w, src_s, dst_w, dst_s, FW, fidx, rk, rn,
         W_IN = D_IN + (HID - D_IN) * (i > 0)
         W_OUT = HID + (D_OUT - HID) * (i == DEPTH - 1)
         ST = (i > 0) * (D_IN * HID + (i - 1) * HID * HID)
-        f_w = _entry(FW, fidx, i)
-        f_s = _entry(FW, fidx, 4 + i)
+        f_w = _factor(fw_at, fw_on, 2 * i, DT)
+        f_s = _factor(fw_at, fw_on, 2 * i + 1, DT)
         for ji in range(0, (W_IN + BK - 1) // BK):
             kk = ji * BK + rk
             for jo in range(0, (W_OUT + BN - 1) // BN):
@@ -784,16 +791,20 @@ def _forward_kernel(
     rows = tl.arange(0, CHP)
     rk = tl.arange(0, BK)
     rn = tl.arange(0, BN)
-    fidx = tl.arange(0, 8)
-    FW = tl.full([8], 1.0, DT)
     wb = w_ptr + bh * TOT
     sb = s_ptr + bh * TOT
     h_b, a_b, p_b, dl_b, e_b, aa_b, dd_b = _forward_parts(scr_ptr + bh * scr_row, CHP, IN_T, OUT_T, D_OUT, DEPTH)
     for j in range(first_chunk, last_chunk):
+        # the stored state's pending factors, the previous chunk's (1 for the first: it starts materialised)
+        if STATE_BOUND:
+            fw_at = scales_ptr + ((j - 1) * BH + bh) * (2 * DEPTH)
+        else:
+            fw_at = None
+        fw_on = j > first_chunk
         if save_every > 0:
             if (j - first_chunk) % save_every == 0:
                 slot = ((j - first_chunk) // save_every) * BH + bh
-                _copy_state(wb, sb, saved_w + slot * TOT, saved_s + slot * TOT, FW, fidx, rk, rn,
+                _copy_state(wb, sb, saved_w + slot * TOT, saved_s + slot * TOT, fw_at, fw_on, rk, rn,
                             D_IN, HID, D_OUT, DEPTH, BK, BN, DT)
         theta_raw, gamma, beta, c, D, E_last, e_n, n_valid = _chunk_gates(
             theta_ptr, gate_ptr, beta_ptr, c_ptr, D_ptr, E_last_ptr, e_last_ptr, bh, j, seq, num_chunks, rows,
@@ -807,10 +818,10 @@ def _forward_kernel(
         # with α per channel)
         loss_p = tl.load(params_ptr + 2).to(DT)
         loss_eps = tl.load(params_ptr + 3).to(DT)
-        _keys(wb, FW, fidx, k_ptr + tok * D_IN, v_ptr + tok * D_OUT, e_b, a_b, p_b, dl_b, aa_b, dd_b, gamma, n_valid,
-              rows, rk, rn, loss_p, loss_eps, D_IN, HID, D_OUT, DEPTH, IN_T, OUT_T, CHP, BK, BN, ACT, RESIDUAL, LOSS,
-              PREC, DT)
-        _deltas(wb, FW, fidx, p_b, dl_b, dl_b, dd_b, rows, rk, rn, D_IN, HID, D_OUT, DEPTH, OUT_T, CHP, BK, BN, ACT,
+        _keys(wb, fw_at, fw_on, k_ptr + tok * D_IN, v_ptr + tok * D_OUT, e_b, a_b, p_b, dl_b, aa_b, dd_b, gamma,
+              n_valid, rows, rk, rn, loss_p, loss_eps, D_IN, HID, D_OUT, DEPTH, IN_T, OUT_T, CHP, BK, BN, ACT, RESIDUAL,
+              LOSS, PREC, DT)
+        _deltas(wb, fw_at, fw_on, p_b, dl_b, dl_b, dd_b, rows, rk, rn, D_IN, HID, D_OUT, DEPTH, OUT_T, CHP, BK, BN, ACT,
                 False, PREC, DT)
         theta, scale, sq, norm, C, u_m = _step(theta_raw, D, E_last, aa_b, dd_b, rows, last,
                                                tl.load(params_ptr).to(DT), DEPTH, CHP, GRAD_BOUND, NORMALIZE, CHANNELS,
@@ -822,14 +833,14 @@ def _forward_kernel(
         tl.debug_barrier()  # the Gram matrices are read: C takes the first one's place, and _queries reads it there
         _st(aa_b, C, rows, rows, CHP, CHP, CHP)
         tl.debug_barrier()
-        FW = _queries(wb, sb, FW, fidx, h_b, a_b, dl_b, dl_b, dl_b, dl_b, aa_b, y_ptr + tok * D_OUT,
-                      scales_ptr + (j * BH + bh) * (2 * DEPTH), radii_ptr, beta, c, aa_b, u_w, u_m, beta_n, c_n, e_n,
-                      tl.load(params_ptr + 1).to(DT), n_valid, rows, rk, rn, D_ptr + dec * CH, c_ptr + dec,
-                      lk_ptr + tok * OUT_T, D_IN,
-                      HID, D_OUT, DEPTH, IN_T, OUT_T, CH, CHP, BK, BN, ACT, RESIDUAL, True, False, STATE_BOUND,
-                      CHANNELS, PREC, PREC_STATE, DT)
+        _queries(wb, sb, fw_at, fw_on, h_b, a_b, dl_b, dl_b, dl_b, dl_b, aa_b, y_ptr + tok * D_OUT,
+                 scales_ptr + (j * BH + bh) * (2 * DEPTH), radii_ptr, beta, c, aa_b, u_w, u_m, beta_n, c_n, e_n,
+                 tl.load(params_ptr + 1).to(DT), n_valid, rows, rk, rn, D_ptr + dec * CH, c_ptr + dec,
+                 lk_ptr + tok * OUT_T, D_IN, HID, D_OUT, DEPTH, IN_T, OUT_T, CH, CHP, BK, BN, ACT, RESIDUAL, True,
+                 False, STATE_BOUND, CHANNELS, PREC, PREC_STATE, DT)
     if STATE_BOUND:  # the end state as it stands: each matrix times its pending factor
-        _copy_state(wb, sb, wb, sb, FW, fidx, rk, rn, D_IN, HID, D_OUT, DEPTH, BK, BN, DT)
+        _copy_state(wb, sb, wb, sb, scales_ptr + ((last_chunk - 1) * BH + bh) * (2 * DEPTH), True, rk, rn, D_IN, HID,
+                    D_OUT, DEPTH, BK, BN, DT)
 
 
 @triton.jit(do_not_specialize=_RUN_TIME)
@@ -856,8 +867,6 @@ def _backward_kernel(
     rows = tl.arange(0, CHP)
     rk = tl.arange(0, BK)
     rn = tl.arange(0, BN)
-    fidx = tl.arange(0, 8)
-    ONES = tl.full([8], 1.0, DT)
     dwb = d_state_ptr + bh * (2 * TOT)  # ∂W and ∂S of the row side by side: one pointer held, ∂S at a fixed offset
     dsb = dwb + TOT
     scr_b = scr_ptr + bh * scr_row  # the forward's parts, then the backward's
@@ -870,10 +879,9 @@ def _backward_kernel(
         wb = saved_w + slot * TOT
         sb = saved_s + slot * TOT
         if STATE_BOUND:  # the bounded state's factors are constants: its backward pass is a product with them
-            PHI = tl.load(scales_ptr + (j * BH + bh) * (2 * DEPTH) + tl.where(fidx < 4, 2 * fidx, 2 * (fidx - 4) + 1),
-                          mask=tl.where(fidx < 4, fidx, fidx - 4) < DEPTH, other=1.0).to(DT)
+            phi_at = scales_ptr + (j * BH + bh) * (2 * DEPTH)
         else:
-            PHI = ONES
+            phi_at = None
         # --- recompute the chunk's forward (passes A–C without the update), keeping what the backward reads ------
         theta_raw, gamma, beta, c, D, E_last, e_n, n_valid = _chunk_gates(
             theta_ptr, gate_ptr, beta_ptr, c_ptr, D_ptr, E_last_ptr, e_last_ptr, bh, j, seq, num_chunks, rows,
@@ -887,10 +895,10 @@ def _backward_kernel(
         # the loss's p and ε, read where they are used (held through the chunk, they were what spilled at chunks of 64)
         loss_p = tl.load(params_ptr + 2).to(DT)
         loss_eps = tl.load(params_ptr + 3).to(DT)
-        _keys(wb, ONES, fidx, k_ptr + tok * D_IN, v_ptr + tok * D_OUT, e_b, a_b, p_b, dl_b, aa_b, dd_b, gamma,
+        _keys(wb, None, False, k_ptr + tok * D_IN, v_ptr + tok * D_OUT, e_b, a_b, p_b, dl_b, aa_b, dd_b, gamma,
               n_valid, rows, rk, rn, loss_p, loss_eps, D_IN, HID, D_OUT, DEPTH, IN_T, OUT_T, CHP, BK, BN, ACT,
               RESIDUAL, LOSS, PREC, DT)
-        _deltas(wb, ONES, fidx, p_b, dl_b, m_b, dd_b, rows, rk, rn, D_IN, HID, D_OUT, DEPTH, OUT_T, CHP, BK, BN, ACT,
+        _deltas(wb, None, False, p_b, dl_b, m_b, dd_b, rows, rk, rn, D_IN, HID, D_OUT, DEPTH, OUT_T, CHP, BK, BN, ACT,
                 True, PREC, DT)
         # the rule's numbers, read where they are used: each held through the chunk loop is a register,
         # and at chunks of 64 those were what spilled
@@ -911,7 +919,7 @@ def _backward_kernel(
         E_at = D_ptr + (bh * num_chunks + j) * CH * CH  # α per channel: E and e (`_channel_gates`), the log-keeps
         e_at = c_ptr + (bh * num_chunks + j) * CH
         lk_tok = lk_ptr + tok * OUT_T
-        _queries(wb, sb, ONES, fidx, h_b, a_b, dl_b, r_b, hw_b, hs_b, ha_b, dy_ptr, scales_ptr, params_ptr,
+        _queries(wb, sb, None, False, h_b, a_b, dl_b, r_b, hw_b, hs_b, ha_b, dy_ptr, scales_ptr, params_ptr,
                  beta, c, nn_b, u_w, u_m, beta_n, c_n, e_n, hidden_step, n_valid, rows, rk, rn, E_at, e_at, lk_tok,
                  D_IN, HID, D_OUT, DEPTH, IN_T, OUT_T, CH, CHP, BK, BN, ACT, RESIDUAL, False, True, False, CHANNELS,
                  PREC, PREC_STATE, DT)
@@ -936,8 +944,8 @@ def _backward_kernel(
             PREV_OFF = (i > 0) * (i - 1) * HID
             ST = (i > 0) * (D_IN * HID + (i - 1) * HID * HID)
             rho = tl.where(i < DEPTH - 1, tl.load(params_ptr + 1).to(DT), 1.0)
-            ph_w = _entry(PHI, fidx, i)
-            ph_s = _entry(PHI, fidx, 4 + i)
+            ph_w = _factor(phi_at, True, 2 * i, DT)
+            ph_s = _factor(phi_at, True, 2 * i + 1, DT)
             if CHANNELS:  # the retrieval's per-column terms (`_channel_queries_grad`); M = −∂(h aᵀ) = −∂H ⊙ C
                 H = _ld(nn_b, rows, rows, CHP, CHP, CHP, DT) * _ld(ha_b + i * CHP * CHP, rows, rows, CHP, CHP, CHP, DT)
                 d_e += _channel_queries_grad(
@@ -1183,7 +1191,7 @@ def _backward_kernel(
             OUT_OFF = i * HID
             PREV_OFF = (i > 0) * (i - 1) * HID
             ST = (i > 0) * (D_IN * HID + (i - 1) * HID * HID)
-            ph_w = _entry(PHI, fidx, i)
+            ph_w = _factor(phi_at, True, 2 * i, DT)
             for ji in range(0, (W_IN + BK - 1) // BK):
                 kk = ji * BK + rk
                 # hᵀ (β ⊙ ∂r) + aᵀ ∂p as two products: paired, their inner dimension would be 2n, and a float32
