@@ -610,7 +610,7 @@ def _queries(wb, sb, fw_at, fw_on, h_b, a_b, dl_b, r_b, hw_b, hs_b, ha_b, y_tok,
             _st(ha_b + i * CHP * CHP, ha, rows, rows, CHP, CHP, CHP)
         cha = _ld(C_at, rows, rows, CHP, CHP, CHP, DT) * ha  # (C read from the scratch: one n × n fewer held)
         if CHANNELS:
-            E = _ld(E_at, rows, rows, n_valid, n_valid, CH, DT)
+            E = _ld(E_at, rows, rows, CH, CH, CH, DT)  # (zero past n_valid: `_channel_gates` pads it)
             e = tl.load(e_at + rows, mask=rows < n_valid, other=0.0).to(DT)
         norm_w = 0.0
         norm_s = 0.0
@@ -988,7 +988,7 @@ def _backward_kernel(
             tl.debug_barrier()
             # The update's gradient, through ∂W', ∂S' (and S⁰ for ∂c_n, ∂e_n): ∂S⁰, ∂a, ∂(ρδ).
             if CHANNELS:
-                E = _ld(E_at, rows, rows, n_valid, n_valid, CH, DT)
+                E = _ld(E_at, rows, rows, CH, CH, CH, DT)  # (zero past n_valid: `_channel_gates` pads it)
                 e = tl.load(e_at + rows, mask=rows < n_valid, other=0.0).to(DT)
                 d_E = tl.zeros([CHP, CHP], DT)
             for jo in range(0, (W_OUT + BN - 1) // BN):
