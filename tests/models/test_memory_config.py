@@ -10,6 +10,7 @@ from titans.memory import Huber, MemoryRule
 from titans.models.config import (
     EARLIER_DEFAULTS,
     FLAT_MEMORY_FIELDS,
+    MAC_SWITCHES,
     MemoryConfig,
     nest_flat_fields,
     with_earlier_defaults,
@@ -74,10 +75,15 @@ def test_a_yaml_file_and_its_overrides_in_either_spelling(tmp_path):
 def test_earlier_defaults_fill_old_records_only():
     """A record written flat, before a default changed, lacks the field: it gets the value it was trained with. A
     record that holds the field (flat or nested) keeps it, and a nested config holding every field gets nothing."""
-    assert set(EARLIER_DEFAULTS) == {"memory.residual", "memory.max_momentum_step"}
+    assert set(EARLIER_DEFAULTS) == {"memory.residual", "memory.max_momentum_step", *MAC_SWITCHES}
     old = with_earlier_defaults({"variant": "lmm", "memory_depth": 1})
     assert old["memory"] == {"depth": 1, "residual": True, "max_momentum_step": None}
     assert TitansConfig.from_dict(old).memory.residual is True
+    mac = TitansConfig.from_dict(with_earlier_defaults({"variant": "mac"}))  # MAC in the paper's order until issue 47
+    assert not any(getattr(mac, switch) for switch in MAC_SWITCHES)
+    assert all(getattr(TitansConfig(variant="mac"), switch) for switch in MAC_SWITCHES)  # today's default: all on
+    one = with_earlier_defaults({"variant": "mac", "mac_residual_read": True})  # a field it holds is kept
+    assert one["mac_residual_read"] is True and one["mac_write_input"] is False
     kept = with_earlier_defaults({"variant": "lmm", "memory_residual": False, "memory_max_momentum_step": 0.5})
     assert (kept["memory"]["residual"], kept["memory"]["max_momentum_step"]) == (False, 0.5)
     current = TitansConfig().to_dict()

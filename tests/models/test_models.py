@@ -315,9 +315,12 @@ def test_the_memory_is_the_papers_mlp_by_default():
     assert {m.rule.residual for m in tiny_model("lmm").modules() if isinstance(m, NeuralMemory)} == {False}
 
 
-@pytest.mark.parametrize("variant, options", [*((v, {}) for v in sorted(UNREAD_FIELDS)),
+OURS = sorted(set(UNREAD_FIELDS) & set(VARIANTS))  # the peer's: tests/models/test_peer.py
+
+
+@pytest.mark.parametrize("variant, options", [*((v, {}) for v in OURS),
                                               ("mac", {"memory_gates": "constant", "memory_init_eta": 0.9})],
-                         ids=[*sorted(UNREAD_FIELDS), "mac, constant gates"])
+                         ids=[*OURS, "mac, constant gates"])
 def test_a_field_a_model_does_not_read_changes_nothing(variant, options):
     """`unread_fields`, which lets the experiment runner read one model's runs back across them, is true: flipping
     such a field builds the same weights and the same outputs."""
@@ -354,6 +357,27 @@ def test_a_saved_model_from_before_a_default_changed_loads_as_it_was_trained(tmp
     current = tiny_model("lmm")  # version 2, today's defaults (no residual, κ = 1): read as written
     current.save_pretrained(tmp_path / "v2")
     assert TitansLM.from_pretrained(tmp_path / "v2").config == current.config
+
+
+def test_a_saved_mac_from_before_the_switches_loads_in_the_papers_order(tmp_path):
+    """A config.json written before MAC's switches existed (format version 2) lacks them: its MAC was the paper's
+    order, so it loads with every switch off (EARLIER_DEFAULTS), not with today's all-on default, and gives the
+    outputs it was saved with. A file that holds the switches is read as written."""
+    model = tiny_model("mac", **MAC_PAPER)
+    model.save_pretrained(tmp_path / "m")
+    path = tmp_path / "m" / "config.json"
+    data = json.loads(path.read_text())
+    section = {key: value for key, value in data["titans"].items() if key not in MAC_SWITCHES | {"titans_pytorch"}}
+    attention = section.pop("attention")  # version 2 wrote the attention's fields flat
+    section.update({"window": attention["window"], "segment_len": attention["segment_len"],
+                    "n_persistent": attention["n_persistent"], "rope_base": attention["rope_base"]})
+    path.write_text(json.dumps({**data, "titans_format_version": 2, "titans": section}))
+    again = TitansLM.from_pretrained(tmp_path / "m")
+    x = tokens(1, 15)
+    assert again.config == model.config and torch.equal(again(x)[0], model(x)[0])
+    current = tiny_model("mac")  # written today: every switch on, read as written
+    current.save_pretrained(tmp_path / "now")
+    assert all(getattr(TitansLM.from_pretrained(tmp_path / "now").config, name) for name in MAC_SWITCHES)
 
 
 def test_save_and_load_pretrained(tmp_path):
@@ -515,8 +539,10 @@ def test_top_p_keeps_the_smallest_prefix_that_reaches_p():
             assert drawn == kept, (probs, top_p)
 
 
-# MAC's switches (TitansConfig.mac_*), each alone and all together: the ways titans-pytorch's MAC differs from ours
-MAC_SWITCHED = {**{name: {name: True} for name in sorted(MAC_SWITCHES)}, "all": dict.fromkeys(MAC_SWITCHES, True)}
+# MAC's switches (TitansConfig.mac_*), each alone on the paper's order (all off) and all together (the default since
+# issue 47): the ways titans-pytorch's MAC differs from the paper's order
+MAC_PAPER = dict.fromkeys(MAC_SWITCHES, False)
+MAC_SWITCHED = {**{name: {**MAC_PAPER, name: True} for name in sorted(MAC_SWITCHES)}, "all": {}}
 
 
 @pytest.fixture(scope="module", params=sorted(MAC_SWITCHED))
@@ -526,7 +552,7 @@ def switched_mac(request):
 
 def test_a_mac_switch_changes_the_model_and_keeps_it_causal(switched_mac):
     x = tokens(2, 20)
-    assert (switched_mac(x)[0] - tiny_model("mac")(x)[0]).abs().max() > 1e-6
+    assert (switched_mac(x)[0] - tiny_model("mac", **MAC_PAPER)(x)[0]).abs().max() > 1e-6
     assert_causal(switched_mac)
 
 
@@ -535,11 +561,11 @@ def test_a_switched_mac_streams_in_pieces_as_one_call(switched_mac, cuts):
     assert_pieces_equal_one_call(switched_mac, cuts)
 
 
-def test_mac_switches_off_are_todays_model():
-    """Every switch off by default: the same parameters (names and shapes) as MAC before the switches existed,
-    and the paper-order MAC (next test) exactly, not just to rounding."""
-    model = tiny_model("mac")
-    assert not any(getattr(model.config, name) for name in MAC_SWITCHES)
+def test_mac_switches_all_on_by_default_and_all_off_the_model_from_before_them():
+    """Every switch on by default (issue 47's measurement); every switch off: the same parameters (names and shapes) as
+    MAC before the switches existed, and the paper-order MAC (next test) exactly, not just to rounding."""
+    assert all(getattr(TitansConfig(variant="mac"), name) for name in MAC_SWITCHES)
+    model = tiny_model("mac", **MAC_PAPER)
     names = {name.split("mixer.", 1)[1] for name in model.state_dict() if ".mixer." in name}
     assert {name for name in names if "context_norm" in name} == set()
     assert {name for name in names if name.startswith("memory_norm")} == {"memory_norm.weight"}
@@ -551,9 +577,10 @@ def test_mac_follows_the_paper_order(switches):
     attend over [p ‖ h ‖ x], write the attention output into the memory, gate with the updated memory. With a switch,
     its departure written out beside it (models/mac.py): x written instead of y, h added to the attended stream and
     the output, the context read through its own norm (position-free persistent keys: the next test)."""
-    options = MAC_SWITCHED.get(switches, {})
+    options = MAC_SWITCHED.get(switches, MAC_PAPER)
     mixer = tiny_model("mac", **options).backbone.blocks[0].mixer
-    write_input, residual_read = options.get("mac_write_input", False), options.get("mac_residual_read", False)
+    config = TitansConfig(variant="mac", **options)
+    write_input, residual_read = config.mac_write_input, config.mac_residual_read
     x = torch.randn(2, 14, 16, dtype=DT, generator=torch.Generator().manual_seed(6))  # segments 6, 6, 2
     memory, query_cache, outputs = None, None, []
     for start in range(0, 14, 6):
@@ -568,7 +595,7 @@ def test_mac_follows_the_paper_order(switches):
     if switches == "off":
         assert torch.equal(out, torch.cat(outputs, 1))
     assert (out - torch.cat(outputs, 1)).abs().max() <= 1e-12
-    if options.get("mac_separate_norms"):  # the context read's norm is its own: the gate's read keeps the memory's
+    if config.mac_separate_norms:  # the context read's norm is its own: the gate's read keeps the memory's
         assert mixer.context_norm is not mixer.memory.out_norm_weight and mixer.context_norm.shape == \
             mixer.memory.out_norm_weight.shape
 

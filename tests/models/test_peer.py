@@ -12,6 +12,7 @@ import torch
 
 from titans.experiments import load_experiment, run_experiment
 from titans.models import TitansConfig, TitansLM
+from titans.models.config import MAC_SWITCHES, unread_fields
 from titans.models.peer import PeerMAC, peer_options
 from titans.train import build_model, build_task
 from titans.train.config import load_train_config
@@ -67,6 +68,22 @@ def test_it_is_causal_and_refuses_a_stream():
         cfg = passkey_config(**streaming)
         with pytest.raises(ValueError, match="cannot continue a stream"):
             build_model(cfg, build_task(cfg))
+
+
+@needs_peer
+def test_a_field_it_does_not_read_changes_nothing():
+    """`unread_fields` for the peer (our MAC's switches, MAL's residual), which lets the runner read its runs back
+    across a change of our defaults, is true: flipping such a field builds the same weights and the same outputs."""
+    x = torch.randint(0, 32, (2, 20), generator=torch.Generator().manual_seed(0))
+    base = TitansConfig(**TINY)
+    fields = unread_fields(base)
+    assert MAC_SWITCHES <= fields and "mal_residual" in fields
+    same = PeerMAC(base).eval()
+    for field in fields:
+        flipped = PeerMAC(base.replace(**{field: not getattr(base, field)})).eval()
+        # its hyper-connections draw part of their init outside torch's seed: the same weights are loaded into both
+        flipped.load_state_dict(same.state_dict())  # strict: the same names and shapes
+        assert torch.equal(flipped(x)[0], same(x)[0])
 
 
 @needs_peer

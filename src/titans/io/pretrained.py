@@ -18,10 +18,11 @@ Versions: 1 wrote the memory's fields flat among the others (`memory_depth`, `ch
 (`models.config.FLAT_MEMORY_FIELDS`, the same reading every config gets), those it lacks whose default changed taking
 their earlier value, and the loss, which version 1 did not have, the squared one (the only loss then). 3 adds MAC's
 switches (`mac_write_input`, `mac_residual_read`, `mac_position_free_persistent`, `mac_separate_norms`) and the
-`titans_pytorch` options of the peer variant: a version-2 file lacks them and loads with their defaults, the model it
-was saved from. 4 writes the attention's fields (`window`, `segment_len`, `n_persistent`, `rope_base`) in the
-`attention` section (`TitansConfig.attention`); every earlier version wrote them flat, and they are read into the
-section as the memory's are (`models.config.FLAT_ATTENTION_FIELDS`).
+`titans_pytorch` options of the peer variant: a version-2 file lacks them and loads with the switches off, the model
+it was saved from (the default then; all four are on since issue 47, `EARLIER_DEFAULTS`). 4 writes the attention's
+fields (`window`, `segment_len`, `n_persistent`, `rope_base`) in the `attention` section (`TitansConfig.attention`);
+every earlier version wrote them flat, and they are read into the section as the memory's are
+(`models.config.FLAT_ATTENTION_FIELDS`).
 """
 
 from __future__ import annotations

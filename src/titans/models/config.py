@@ -120,10 +120,15 @@ def _nest_section(model: dict[str, Any], section: str, fields: dict[str, str]) -
 # Defaults that changed, with the value every config saved before its field existed was trained with: a saved config
 # (a checkpoint's config.yaml, a pretrained config.json, a results JSON's record) that lacks the field, in either
 # spelling, is read with that value, not today's default (`with_earlier_defaults`). Configs written since hold every
-# field, so nothing is filled into them. Paths in the nested config.
+# field, so nothing is filled into them. Paths in the nested config (`section.field`, or a top-level field).
 EARLIER_DEFAULTS: dict[str, Any] = {
     "memory.residual": True,  # the memory's k + MLP(k) until the ablations
     "memory.max_momentum_step": None,  # the paper's gates, unbounded, until lm's MAC spike (DESIGN.md §1)
+    # MAC in the paper's order of operations until issue 47's mac_switches grid (DESIGN.md §3)
+    "mac_write_input": False,
+    "mac_residual_read": False,
+    "mac_position_free_persistent": False,
+    "mac_separate_norms": False,
 }
 
 
@@ -135,6 +140,9 @@ def with_earlier_defaults(model: dict[str, Any]) -> dict[str, Any]:
         if isinstance(filled.get(section), dict):
             filled[section] = dict(filled[section])
     for path, value in EARLIER_DEFAULTS.items():
+        if "." not in path:
+            filled.setdefault(path, value)
+            continue
         section, field = path.split(".")
         node = filled.setdefault(section, {})
         if isinstance(node, dict):
@@ -159,6 +167,10 @@ UNREAD_FIELDS: dict[str, frozenset[str]] = {
     "lmm": frozenset({"mal_residual"}) | _NOT_MAC,
     "mac": frozenset({"mal_residual", "titans_pytorch"}),
     "mag": frozenset({"mal_residual"}) | _NOT_MAC,
+    "mal": _NOT_MAC,
+    # titans-pytorch's MAC (models/peer.py) builds from the width, depth, heads, segment, persistent tokens and the
+    # memory's depth and expansion, and its own options: not from our MAC's switches or MAL's residual
+    "titans_pytorch_mac": MAC_SWITCHES | {"mal_residual"},
 }
 
 
@@ -197,19 +209,20 @@ class TitansConfig(Config):
     # MAL: the attention reads u + M(u) and the mixer returns M(u) + SW-Attn(norm(u + M(u))), a residual around each
     # of its two layers (DESIGN.md §3); False: eq. 31 as written, the attention reads M(u) alone
     mal_residual: bool = True
-    # MAC's switches (models/mac.py; each False is the paper's order of operations as we built it, DESIGN.md §3):
-    # write the memory from the block's input x, the stream its queries read, instead of the attention output y
-    # (eq. 24 writes y; titans-pytorch writes its input)
-    mac_write_input: bool = False
-    # also add the retrieved memory h to the residual stream before attention, beside h as attention context (eqs.
-    # 21-22 give h as context only; titans-pytorch adds it to the stream)
-    mac_residual_read: bool = False
+    # MAC's switches (models/mac.py): all four on by default since issue 47 (together they learn the byte passkey
+    # across segments at no cost to lm: `mac_switches`, `lm`; DESIGN.md §3); all four off is the paper's order.
+    # Write the memory from the block's input x, the stream its queries read, instead of the attention output y:
+    # departs from eq. 24, which writes y (titans-pytorch writes its input)
+    mac_write_input: bool = True
+    # also add the retrieved memory h to the residual stream before attention, beside h as attention context:
+    # departs from eqs. 21-22, which give h as context only (titans-pytorch adds it to the stream)
+    mac_residual_read: bool = True
     # score the persistent tokens position-free (q_i · k_p, unrotated queries), as the window attention scores its
-    # prefix; False: rotated queries against unrotated persistent keys
-    mac_position_free_persistent: bool = False
+    # prefix (the paper gives them no positions); False: rotated queries against unrotated persistent keys
+    mac_position_free_persistent: bool = True
     # the read used as attention context (eq. 21) and the read used for the output gate (eq. 25) each with its own
     # output norm; False: the memory's one norm serves both
-    mac_separate_norms: bool = False
+    mac_separate_norms: bool = True
     # variant titans_pytorch_mac: keyword options of titans-pytorch's MemoryAsContextTransformer laid over those
     # this config gives it (models/peer.py: its README's options, the width, depth, heads, segment and memory here)
     titans_pytorch: dict[str, Any] = Field(default_factory=dict)
