@@ -212,7 +212,7 @@ class TitansConfig(Config):
     # MAC's switches (models/mac.py): all four on by default since issue 47 (together they learn the byte passkey
     # across segments at no cost to lm: `mac_switches`, `lm`; DESIGN.md §3); all four off is the paper's order.
     # Write the memory from the block's input x, the stream its queries read, instead of the attention output y:
-    # departs from eq. 24, which writes y (titans-pytorch writes its input)
+    # departs from eqs. 24-25, which write y and gate with M*(y) (titans-pytorch writes its input)
     mac_write_input: bool = True
     # also add the retrieved memory h to the residual stream before attention, beside h as attention context:
     # departs from eqs. 21-22, which give h as context only (titans-pytorch adds it to the stream)
