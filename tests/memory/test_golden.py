@@ -25,7 +25,7 @@ from safetensors import safe_open
 from titans import TitansConfig, TitansLM
 from titans.memory import Gates, MemoryRule, fused, parallel, parallel_memory, sequential_memory, state_ops
 from titans.memory.step import memory_token_step
-from titans.models.config import MemoryConfig
+from titans.models.config import MAC_PAPER_ORDER, MemoryConfig
 
 from .test_functional import gated
 from .test_layer import make_memory, run_in_pieces
@@ -62,15 +62,13 @@ LAYERS = {
 # Whole models, each in the nested config (the golden file's were written flat: the same models)
 # MAC as the file has it: the paper's order, every switch off (the default then; on since issue 47, whose switches
 # tests/models/test_models.py holds against the paper's order written out)
-PAPER_MAC = {"mac_write_input": False, "mac_residual_read": False, "mac_position_free_persistent": False,
-             "mac_separate_norms": False}
 MODELS = {
     "lmm": {"variant": "lmm"},
-    "mac": {"variant": "mac", **PAPER_MAC},
+    "mac": {"variant": "mac", **MAC_PAPER_ORDER},
     "mag": {"variant": "mag", "memory": {"residual": True}},
     "mal": {"variant": "mal", "memory": {"max_momentum_step": 0.2, "init_eta": 0.6}},
     "gated_deltanet": {"variant": "gated_deltanet"},
-    "mac_options": {"variant": "mac", **PAPER_MAC,
+    "mac_options": {"variant": "mac", **MAC_PAPER_ORDER,
                     "memory": {"depth": 1, "surprise_gate": True, "hidden_step": 0.5, "max_grad_norm": 0.5,
                                "gate_pooling": "chunk", "activation": "silu", "chunk_size": 2}},
 }

@@ -17,7 +17,14 @@ from titans.layers import states_trusted, trusted_states
 from titans.layers.attention import reference_window_attention
 from titans.memory import NeuralMemory
 from titans.models import VARIANTS, load_state, sample_next, save_state
-from titans.models.config import FLAT_MEMORY_FIELDS, MAC_SWITCHES, UNREAD_FIELDS, unread_fields
+from titans.models.config import (
+    FLAT_ATTENTION_FIELDS,
+    FLAT_MEMORY_FIELDS,
+    MAC_PAPER_ORDER,
+    MAC_SWITCHES,
+    UNREAD_FIELDS,
+    unread_fields,
+)
 from titans.train.config import OptimConfig
 from titans.train.loop import make_optimizer
 
@@ -363,14 +370,13 @@ def test_a_saved_mac_from_before_the_switches_loads_in_the_papers_order(tmp_path
     """A config.json written before MAC's switches existed (format version 2) lacks them: its MAC was the paper's
     order, so it loads with every switch off (EARLIER_DEFAULTS), not with today's all-on default, and gives the
     outputs it was saved with. A file that holds the switches is read as written."""
-    model = tiny_model("mac", **MAC_PAPER)
+    model = tiny_model("mac", **MAC_PAPER_ORDER)
     model.save_pretrained(tmp_path / "m")
     path = tmp_path / "m" / "config.json"
     data = json.loads(path.read_text())
     section = {key: value for key, value in data["titans"].items() if key not in MAC_SWITCHES | {"titans_pytorch"}}
     attention = section.pop("attention")  # version 2 wrote the attention's fields flat
-    section.update({"window": attention["window"], "segment_len": attention["segment_len"],
-                    "n_persistent": attention["n_persistent"], "rope_base": attention["rope_base"]})
+    section.update({flat: attention[name] for flat, name in FLAT_ATTENTION_FIELDS.items()})
     path.write_text(json.dumps({**data, "titans_format_version": 2, "titans": section}))
     again = TitansLM.from_pretrained(tmp_path / "m")
     x = tokens(1, 15)
@@ -541,8 +547,7 @@ def test_top_p_keeps_the_smallest_prefix_that_reaches_p():
 
 # MAC's switches (TitansConfig.mac_*), each alone on the paper's order (all off) and all together (the default since
 # issue 47): the ways titans-pytorch's MAC differs from the paper's order
-MAC_PAPER = dict.fromkeys(MAC_SWITCHES, False)
-MAC_SWITCHED = {**{name: {**MAC_PAPER, name: True} for name in sorted(MAC_SWITCHES)}, "all": {}}
+MAC_SWITCHED = {**{name: {**MAC_PAPER_ORDER, name: True} for name in sorted(MAC_SWITCHES)}, "all": {}}
 
 
 @pytest.fixture(scope="module", params=sorted(MAC_SWITCHED))
@@ -552,7 +557,7 @@ def switched_mac(request):
 
 def test_a_mac_switch_changes_the_model_and_keeps_it_causal(switched_mac):
     x = tokens(2, 20)
-    assert (switched_mac(x)[0] - tiny_model("mac", **MAC_PAPER)(x)[0]).abs().max() > 1e-6
+    assert (switched_mac(x)[0] - tiny_model("mac", **MAC_PAPER_ORDER)(x)[0]).abs().max() > 1e-6
     assert_causal(switched_mac)
 
 
@@ -565,7 +570,7 @@ def test_mac_switches_all_on_by_default_and_all_off_the_model_from_before_them()
     """Every switch on by default (issue 47's measurement); every switch off: the same parameters (names and shapes) as
     MAC before the switches existed, and the paper-order MAC (next test) exactly, not just to rounding."""
     assert all(getattr(TitansConfig(variant="mac"), name) for name in MAC_SWITCHES)
-    model = tiny_model("mac", **MAC_PAPER)
+    model = tiny_model("mac", **MAC_PAPER_ORDER)
     names = {name.split("mixer.", 1)[1] for name in model.state_dict() if ".mixer." in name}
     assert {name for name in names if "context_norm" in name} == set()
     assert {name for name in names if name.startswith("memory_norm")} == {"memory_norm.weight"}
@@ -577,7 +582,7 @@ def test_mac_follows_the_paper_order(switches):
     attend over [p ‖ h ‖ x], write the attention output into the memory, gate with the updated memory. With a switch,
     its departure written out beside it (models/mac.py): x written instead of y, h added to the attended stream and
     the output, the context read through its own norm (position-free persistent keys: the next test)."""
-    options = MAC_SWITCHED.get(switches, MAC_PAPER)
+    options = MAC_SWITCHED.get(switches, MAC_PAPER_ORDER)
     mixer = tiny_model("mac", **options).backbone.blocks[0].mixer
     config = TitansConfig(variant="mac", **options)
     write_input, residual_read = config.mac_write_input, config.mac_residual_read

@@ -117,6 +117,11 @@ def _nest_section(model: dict[str, Any], section: str, fields: dict[str, str]) -
     return {**rest, section: {**nested, **flat} if isinstance(nested, dict) else nested}
 
 
+# MAC's switches (TitansConfig.mac_*, models/mac.py), and MAC in the paper's order of operations: every switch off
+MAC_SWITCHES = frozenset({"mac_write_input", "mac_residual_read", "mac_position_free_persistent",
+                          "mac_separate_norms"})
+MAC_PAPER_ORDER: dict[str, bool] = dict.fromkeys(sorted(MAC_SWITCHES), False)
+
 # Defaults that changed, with the value every config saved before its field existed was trained with: a saved config
 # (a checkpoint's config.yaml, a pretrained config.json, a results JSON's record) that lacks the field, in either
 # spelling, is read with that value, not today's default (`with_earlier_defaults`). Configs written since hold every
@@ -124,11 +129,7 @@ def _nest_section(model: dict[str, Any], section: str, fields: dict[str, str]) -
 EARLIER_DEFAULTS: dict[str, Any] = {
     "memory.residual": True,  # the memory's k + MLP(k) until the ablations
     "memory.max_momentum_step": None,  # the paper's gates, unbounded, until lm's MAC spike (DESIGN.md §1)
-    # MAC in the paper's order of operations until issue 47's mac_switches grid (DESIGN.md §3)
-    "mac_write_input": False,
-    "mac_residual_read": False,
-    "mac_position_free_persistent": False,
-    "mac_separate_norms": False,
+    **MAC_PAPER_ORDER,  # MAC in the paper's order of operations until issue 47's mac_switches grid (DESIGN.md §3)
 }
 
 
@@ -153,8 +154,6 @@ def with_earlier_defaults(model: dict[str, Any]) -> dict[str, Any]:
 # Fields a variant's model never reads (paths in the nested config): configs that differ only there build the same
 # model (held in tests/models/test_models.py), so the experiment runner reads such a run back as one. Only fields
 # known unread.
-MAC_SWITCHES = frozenset({"mac_write_input", "mac_residual_read", "mac_position_free_persistent",
-                          "mac_separate_norms"})
 _NOT_MAC = MAC_SWITCHES | {"titans_pytorch"}  # what every variant of ours but MAC leaves unread
 _NO_MEMORY = frozenset(  # the baselines without a neural memory read none of these
     {"memory.residual", "mal_residual", "memory.learned_init", "memory.max_momentum_step"}) | _NOT_MAC
