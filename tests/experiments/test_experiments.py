@@ -926,6 +926,23 @@ def test_continual_on_a_fresh_clone_reads_its_json_and_measures_only_changed_mod
     assert len(retrained) == len(before["runs"])
 
 
+def test_continual_takes_the_source_rows_it_names_not_extra_models_of_their_variant(quick_results, tmp_path,
+                                                                                   monkeypatch):
+    """An extra model of the source (lm's "mac paper order" is a MAC) is a row of its own: continual measures the rows
+    its `variants` name, so a source grown by such a row trains and measures nothing more."""
+    results_dir, runs_dir = quick_results
+    before = json.loads((results_dir / "continual.json").read_text())
+    lm = load_experiment("lm", quick=True, folder=FOLDER)
+    grown = lm.replace(extra_models={"lmm wide": {"variant": "lmm", "dim": 24}})
+    assert any(run.model == "lmm wide" for run in expand(grown))
+    monkeypatch.setattr("titans.experiments.continual.load_experiment", lambda name, quick=False: grown)
+    calls = spy_on_train(monkeypatch)
+    exp = load_experiment("continual", quick=True, folder=FOLDER)
+    after = json.loads(run_experiment(exp, fresh_clone_of(results_dir, "continual", tmp_path), runs_dir, jobs=1,
+                                      quick=True, quiet=True).read_text())
+    assert calls == [] and set(after["runs"]) == set(before["runs"])
+
+
 def test_a_task_that_cannot_be_built_stops_the_grid_before_it_writes(tmp_path, monkeypatch):
     """Missing data (here a weather folder that does not exist; an optional extra not installed fails the same way)
     is an error naming it before any run trains, and the committed JSON is left as it was, not overwritten with one

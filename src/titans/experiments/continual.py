@@ -114,7 +114,9 @@ def continual_results(exp: Experiment, runs_dir: Path, jobs: int, quick: bool, q
     `runs_dir/<experiment>` and reused while the run and the grid stay the same."""
     grid = exp.continual
     source = load_experiment(grid.source, quick=quick)
-    runs = [run for run in expand(source) if run.config.model.variant in exp.variants]
+    # rows by name: a source's extra model of a listed variant (lm's "mac paper order") is a row of its own, not one
+    # of these, and is neither trained nor measured here
+    runs = [run for run in expand(source) if run.model in exp.variants]
     if not runs:
         raise ValueError(f"experiment {exp.name}: {grid.source} has no runs of the variants {exp.variants}")
     kept = recorded_points(recorded, grid.to_dict(), runs)
