@@ -402,9 +402,10 @@ def experiment_run(
     only: str | None = typer.Option(None, help="Train these rows only (comma-separated labels, e.g. 'lmm,lmm alpha "
                                                "1e-2', run ids, or globs over run ids, e.g. '*-dim64-*-s1'); the "
                                                "rest stay as the JSON has them, or pending."),
-    no_train: bool = typer.Option(False, "--no-train", help="Train nothing: rewrite the JSON from the runs it and the "
-                                                            "runs directory hold (after a default or the grid "
-                                                            "changed, the runs it changed are marked stale)."),
+    no_train: bool = typer.Option(False, "--no-train", help="Train and measure nothing: rewrite the JSON from the runs "
+                                                            "it and the runs directory hold (after a default or the "
+                                                            "grid changed, the runs and measured points it changed "
+                                                            "are marked stale)."),
 ) -> None:
     """Run an experiment's grid (resumable: finished runs are read back from the runs directory or from the results
     JSON, killed ones continue) and write its JSON after every finished run (its path is the last line)."""
@@ -416,9 +417,10 @@ def experiment_run(
     if no_train and only is not None:
         raise ValueError("--no-train trains no rows, so it takes no --only")
     rows = [] if no_train else [row.strip() for row in only.split(",") if row.strip()] if only is not None else None
-    if rows is not None and exp.kind != "train":
+    if rows and exp.kind != "train" or no_train and exp.kind == "continual":
         flag = "--no-train" if no_train else "--only"
-        raise ValueError(f"{flag} is for a training grid; {exp.name} is a {exp.kind} experiment")
+        kinds = "a training or measuring grid" if no_train else "a training grid"
+        raise ValueError(f"{flag} is for {kinds}; {exp.name} is a {exp.kind} experiment")
     typer.echo(str(run_experiment(exp, results_dir, runs_dir or default_root, jobs, quick=quick, quiet=quiet,
                                    retrain=retrain, only=rows)))
 

@@ -36,11 +36,10 @@ def memory_reader(dim: int, memory_depth: int, expansion: int, chunk_size: int, 
                   residual: bool = False):
     """predict(inputs [B, 4n + 1]) -> predicted tokens [B, 4n + 1]: the pairs written into a fresh memory, every
     queried key read back (other positions predict -1)."""
-    from ..memory import Gates, MemoryRule, NeuralMemory, memory_apply, parallel_memory
+    from ..memory import Gates, NeuralMemory, memory_apply, parallel_memory
 
     generator = torch.Generator().manual_seed(0)
-    # the default rule but for the residual; the gates are given here, so κ is off (θ is the capacity grid's choice)
-    rule = MemoryRule(residual=residual, max_momentum_step=None)
+    rule = capacity_rule(residual)
     layer = NeuralMemory(dim, heads=1, depth=memory_depth, expansion=expansion, chunk_size=chunk_size, rule=rule)
     vectors = torch.nn.functional.normalize(torch.randn(vocab, dim, generator=generator, dtype=torch.float64), dim=-1)
     weights = tuple(w.detach().double() for w in layer.initial_weights)
@@ -64,6 +63,14 @@ def memory_reader(dim: int, memory_depth: int, expansion: int, chunk_size: int, 
     return predict
 
 
+def capacity_rule(residual: bool = False):
+    """The rule capacity writes with: the default rule but for the residual; the gates are given here, so κ is off
+    (θ is the capacity grid's choice)."""
+    from ..memory import MemoryRule
+
+    return MemoryRule(residual=residual, max_momentum_step=None)
+
+
 def layer_gate(layer: Any, which: int) -> float:
     """The layer's gate `which` (0 θ/θ_max, 1 η, 2 α) at initialisation, from its bias."""
     return float(torch.sigmoid(layer.to_gates.bias.detach().view(3, layer.heads)[which, 0]))
@@ -84,29 +91,66 @@ def capacity_point(grid: dict[str, Any], memory_depth: int, expansion: int, chun
     return {"capacity": by_theta[best]["capacity"], "theta": float(best), "by_theta": by_theta}
 
 
-def capacity_results(exp: Experiment, points_dir: Path, jobs: int, quiet: bool = False) -> dict[str, Any]:
-    """The capacity JSON body: one row per memory depth, one panel per chunk size, x the expansion. Each shape's
-    result is kept in `points_dir` and reused while the grid's settings stay the same."""
-    from .runs import add_setting, cached, run_parallel
+# What a capacity point depends on beyond its shape: the grid's settings but its axes, and the memory's rule.
+CAPACITY_SETTINGS = ("dim", "pair_counts", "thetas", "threshold", "batch_size")
+CAPACITY_KEYS = ("capacity", "theta", "by_theta")
+
+
+def capacity_spec(grid: dict[str, Any], shape: tuple[int, int, int], rule: dict[str, Any] | None) -> dict[str, Any]:
+    depth, expansion, chunk = shape
+    return {"grid": {key: grid.get(key) for key in CAPACITY_SETTINGS}, "memory_depth": depth, "expansion": expansion,
+            "chunk_size": chunk, "rule": rule}
+
+
+def capacity_results(exp: Experiment, points_dir: Path, jobs: int, quiet: bool = False,
+                     recorded: Path | None = None, measure: bool = True, refresh: bool = False) -> dict[str, Any]:
+    """The capacity JSON body: one row per memory depth, one panel per chunk size, x the expansion. A shape's point
+    is read back from the results JSON at `recorded` where measured under exactly its spec (`capacity_spec`: the
+    grid's settings and the memory's rule, so that a changed default of the rule marks it stale), else measured and
+    kept in `points_dir` (or, without `measure`, shown stale from its record: `runs.measure_points`)."""
+    from .runs import Point, add_setting, json_data, measure_points
 
     grid = exp.capacity
+    settings = grid.to_dict()
     shapes = [(d, e, c) for c in grid.chunk_sizes for d in grid.memory_depths for e in grid.expansions]
-    labels = [f"depth{d}-expansion{e}-chunk{c}" for d, e, c in shapes]
-    calls = [(points_dir / f"{label}.json", capacity_point, grid.to_dict(), *shape)
-             for label, shape in zip(labels, shapes)]
-    points = run_parallel(cached, calls, labels, jobs, lambda p: f"capacity {p['capacity']} at theta {p['theta']}",
-                          quiet)
+    rule = capacity_rule(grid.memory_residual).to_dict()
+    points = [Point(f"depth{d}-expansion{e}-chunk{c}", capacity_spec(settings, (d, e, c), rule),
+                    (points_dir / f"depth{d}-expansion{e}-chunk{c}.json", capacity_point, settings, d, e, c))
+              for d, e, c in shapes]
+    data = json_data(recorded)
+
+    def recorded_spec(record: dict[str, Any]) -> dict[str, Any]:
+        # a record from before records kept their spec: the JSON's grid, the rule not recorded
+        shape = (record["memory_depth"], record["expansion"], record["chunk_size"])
+        return record.get("spec") or capacity_spec(data.get("grid", {}), shape, None)
+
+    found, stale = measure_points(points, data.get("runs", {}), recorded_spec, CAPACITY_KEYS, jobs,
+                                  lambda p: f"capacity {p['capacity']} at theta {p['theta']}", quiet, measure,
+                                  refresh)
     panels: dict[str, dict[str, list]] = {}
     results: dict[str, dict[str, float]] = {}
     runs = {}
-    for label, (depth, expansion, chunk), point in zip(labels, shapes, points):
+    for point, (depth, expansion, chunk) in zip(points, shapes):
         panel = f"chunk {chunk}"
         setting = f"{panel}/{expansion}"
         add_setting(panels, panel, setting, float(expansion))
-        results.setdefault(f"memory depth {depth}", {})[setting] = point["capacity"]
-        runs[label] = {"model": f"memory depth {depth}", "panel": panel, "values": {setting: point["capacity"]},
-                       "memory_depth": depth, "expansion": expansion, "chunk_size": chunk, **point}
-    return {"panels": panels, "results": results, "runs": runs, "grid": grid.to_dict()}
+        if point.run_id not in found:
+            continue
+        result = found[point.run_id]
+        results.setdefault(f"memory depth {depth}", {})[setting] = result["capacity"]
+        spec = point.spec if point.run_id not in stale else recorded_spec(data["runs"][point.run_id])
+        runs[point.run_id] = {"model": f"memory depth {depth}", "panel": panel, "values": {setting: result["capacity"]},
+                              "memory_depth": depth, "expansion": expansion, "chunk_size": chunk, **result,
+                              "spec": spec}
+    return {"panels": panels, "results": results, "runs": runs, "grid": settings,
+            **ledger([point.run_id for point in points], runs, stale)}
+
+
+def ledger(run_ids: list[str], runs: dict[str, Any], stale: dict[str, list[str]]) -> dict[str, Any]:
+    """The JSON's "pending" (the points not measured under the grid's spec, stale ones among them) and "stale"
+    ({run id: what changed since}), as a training grid writes them; nothing once every point is current."""
+    pending = [run_id for run_id in run_ids if run_id not in runs or run_id in stale]
+    return {**({"pending": pending} if pending else {}), **({"stale": stale} if stale else {})}
 
 
 # ----------------------------------------------------------------------------------------------------- efficiency
@@ -188,48 +232,104 @@ def efficiency_point(spec: dict[str, Any], memory_cap_gib: float, timeout_s: flo
     return {"status": status, **(point or {})}
 
 
-def efficiency_results(exp: Experiment, points_dir: Path, quiet: bool = False) -> dict[str, Any]:
+# What an efficiency point's timings depend on beyond the model and the length: the grid's settings, and the machine.
+EFFICIENCY_SETTINGS = ("batch_size", "repeats", "generate_tokens", "threads")
+EFFICIENCY_KEYS = ("status", "train_tokens_per_s", "peak_mib", "generate_tokens_per_s", "num_parameters")
+
+
+def model_identity(impl: str, config: dict[str, Any], version: str | None) -> dict[str, Any]:
+    """The model an efficiency point times: ours as its config with every default spelled out (a record from before a
+    default changed read with the earlier one) less the fields its variant never reads; titans-pytorch's config and
+    version."""
+    if impl == REFERENCE:
+        return {"config": config, "version": version}
+    from ..models import TitansConfig
+    from ..models.config import unread_fields, with_earlier_defaults, without_fields
+
+    cfg = TitansConfig.from_dict(with_earlier_defaults(config))
+    return without_fields(cfg.to_dict(), unread_fields(cfg))
+
+
+def efficiency_spec(impl: str, model: dict[str, Any], length: int, grid: dict[str, Any],
+                    machine: str | None) -> dict[str, Any]:
+    return {"impl": impl, "model": model, "length": length, **{key: grid.get(key) for key in EFFICIENCY_SETTINGS},
+            "machine": machine}
+
+
+def efficiency_results(exp: Experiment, points_dir: Path, quiet: bool = False, recorded: Path | None = None,
+                       measure: bool = True, refresh: bool = False) -> dict[str, Any]:
     """The efficiency JSON body: one row per variant (and the reference), panels for training tokens/s, peak memory
     and generation tokens/s, x the sequence length. Points run one at a time: timings taken side by side would
-    measure each other. Each point is kept in `points_dir` and reused on the same machine with the same settings."""
+    measure each other. A point is read back from the results JSON at `recorded` where measured under exactly its
+    spec (`efficiency_spec`: the model's config, the grid's settings and the machine, so that a changed default marks
+    the points of every model it changes stale), else measured and kept in `points_dir` (or, without `measure`,
+    shown stale from its record: `runs.measure_points`)."""
     from ..machine import describe_machine, reference_available
+    from ..models.peer import installed_version
     from ..train.config import load_train_config
-    from .runs import cached, run_parallel
+    from .runs import Point, json_data, measure_points
 
     grid = exp.efficiency
+    settings = grid.to_dict()
+    data = json_data(recorded)
     models = dict(exp.models)
-    if grid.reference and reference_available():
+    installed = reference_available()
+    if grid.reference:  # where titans-pytorch is not installed, its recorded points are kept as measured
         models[REFERENCE] = {}
-    elif grid.reference and not quiet:
-        print("titans-pytorch is not installed (pip install -c constraints.txt '.[compare]'): ours only", flush=True)
-    specs, labels = [], []
+        if not installed and not quiet:
+            print("titans-pytorch is not installed (pip install -c constraints.txt '.[compare]'): its points are "
+                  "not measured here", flush=True)
+    machine = describe_machine()
+    points, jobs = [], []
     for impl, changes in models.items():
-        model = {}
+        model, version = REFERENCE_CONFIG, installed_version() if installed else None
         if impl != REFERENCE:
             model = load_train_config(data=merge(exp.base, {"model": changes})).model.to_dict()
         for length in grid.lengths:
-            specs.append({"impl": impl, "model": model, "length": length, "batch_size": grid.batch_size,
-                          "repeats": grid.repeats, "generate_tokens": grid.generate_tokens, "threads": grid.threads})
-            labels.append(f"{impl} {length}")
-    machine = describe_machine()
-    calls = [(points_dir / f"{label.replace(' ', '-')}.json", efficiency_point, spec, grid.memory_cap_gib,
-              grid.timeout_s, machine) for label, spec in zip(labels, specs)]
-    points = run_parallel(cached, calls, labels, 1,
-                          lambda p: p["status"] if p["status"] != "ok" else
-                          f"train {p['train_tokens_per_s']:.0f} tok/s, peak {p['peak_mib']:.0f} MiB, "
-                          f"generate {p['generate_tokens_per_s']:.0f} tok/s", quiet)
+            run_id = f"{impl} {length}".replace(" ", "-")
+            if impl == REFERENCE and not installed:  # its points as recorded, with the version they name
+                record = data.get("runs", {}).get(run_id, {})
+                if "spec" not in record:
+                    continue
+                version = record["spec"]["model"].get("version")
+            job = {"impl": impl, "model": {} if impl == REFERENCE else model, "length": length,
+                   "batch_size": grid.batch_size, "repeats": grid.repeats, "generate_tokens": grid.generate_tokens,
+                   "threads": grid.threads}
+            jobs.append(job)
+            points.append(Point(run_id, efficiency_spec(impl, model_identity(impl, model, version), length, settings,
+                                                        machine),
+                                (points_dir / f"{run_id}.json", efficiency_point, job, grid.memory_cap_gib,
+                                 grid.timeout_s, machine), measurable=impl != REFERENCE or installed))
+
+    def recorded_spec(record: dict[str, Any]) -> dict[str, Any]:
+        # a record from before records kept their spec: its config, the JSON's grid and machine
+        return record.get("spec") or efficiency_spec(
+            record["model"], model_identity(record["model"], record["config"], None), record["length"],
+            data.get("grid", {}), data.get("machine"))
+
+    found, stale = measure_points(
+        points, data.get("runs", {}), recorded_spec, EFFICIENCY_KEYS, 1,
+        lambda p: p["status"] if p["status"] != "ok" else
+        f"train {p['train_tokens_per_s']:.0f} tok/s, peak {p['peak_mib']:.0f} MiB, "
+        f"generate {p['generate_tokens_per_s']:.0f} tok/s", quiet, measure, refresh)
     measures = {"training tokens/s": ("train_tokens_per_s", True), "peak memory (MiB)": ("peak_mib", False),
                 "generation tokens/s": ("generate_tokens_per_s", True)}
     panels = {name: {"settings": [f"{name}/{n}" for n in grid.lengths], "x": [float(n) for n in grid.lengths],
                      "higher_is_better": better} for name, (_, better) in measures.items()}
     results: dict[str, dict[str, float | None]] = {}
     runs = {}
-    for label, spec, point in zip(labels, specs, points):
-        values = {f"{name}/{spec['length']}": point.get(key) for name, (key, _) in measures.items()}
-        results.setdefault(spec["impl"], {}).update(values)
-        runs[label.replace(" ", "-")] = {"model": spec["impl"], "length": spec["length"], "values": values,
-                                         "config": spec["model"] or REFERENCE_CONFIG, **point}
-    return {"panels": panels, "results": results, "runs": runs, "grid": grid.to_dict()}
+    for point, job in zip(points, jobs):
+        if point.run_id not in found:
+            continue
+        result = found[point.run_id]
+        values = {f"{name}/{job['length']}": result.get(key) for name, (key, _) in measures.items()}
+        results.setdefault(job["impl"], {}).update(values)
+        record = data["runs"][point.run_id] if point.run_id in stale else None
+        runs[point.run_id] = {"model": job["impl"], "length": job["length"], "values": values,
+                              "config": record["config"] if record else job["model"] or REFERENCE_CONFIG,
+                              **result, "spec": recorded_spec(record) if record else point.spec}
+    return {"panels": panels, "results": results, "runs": runs, "grid": settings,
+            **ledger([point.run_id for point in points], runs, stale)}
 
 
 if __name__ == "__main__":

@@ -51,8 +51,10 @@ from .runs import (
     _train_or_error,
     add_setting,
     collect,
+    config_changes,
     describe_run,
     identity_key,
+    json_records,
     over_seeds,
     recorded_config,
     run_parallel,
@@ -103,16 +105,6 @@ def trained_on(summaries: list[dict[str, Any]]) -> str | None:
     return machines.most_common(1)[0][0] if machines else None
 
 
-def json_records(path: Path) -> tuple[dict[str, Any], str | None]:
-    """(the run records, the machine) of the results JSON at `path`; none where there is no results JSON there
-    (`titans experiment report` names what is wrong with a file that is not one)."""
-    try:
-        data = json.loads(path.read_text()) if path.is_file() else {}
-        return dict(data["runs"]), data.get("machine")
-    except (ValueError, KeyError, TypeError):
-        return {}, None
-
-
 def recorded_runs(records: dict[str, Any], machine: str | None, exp: Experiment,
                   runs: list[Run]) -> dict[str, dict[str, Any]]:
     """{run id: its eval.json summary} for the runs of `runs` that a results JSON's `records` hold finished with
@@ -138,18 +130,6 @@ def recorded_runs(records: dict[str, Any], machine: str | None, exp: Experiment,
                 known[run.run_id] = summary
                 break
     return known
-
-
-def config_changes(saved: dict[str, Any], grid: dict[str, Any], prefix: str = "") -> list[str]:
-    """'field: recorded → the grid's' for every field where a recorded config differs from the grid's."""
-    changes = []
-    for key in sorted(set(saved) | set(grid)):
-        old, new = saved.get(key), grid.get(key)
-        if isinstance(old, dict) and isinstance(new, dict):
-            changes += config_changes(old, new, f"{prefix}{key}.")
-        elif old != new:
-            changes.append(f"{prefix}{key}: {json.dumps(old)} → {json.dumps(new)}")
-    return changes
 
 
 def earlier_runs(records: dict[str, Any], machine: str | None, exp: Experiment,
@@ -216,9 +196,11 @@ def default_jobs() -> int:
 def run_experiment(exp: Experiment, results_dir: Path, runs_dir: Path, jobs: int | None = None,
                    quick: bool = False, quiet: bool = False, retrain: bool = False,
                    only: list[str] | None = None) -> Path:
-    """Run `exp` (resumably) and write `<results_dir>/<name>.json`; return its path. `retrain` trains every run
-    again, whatever the runs directory and the JSON hold; `only` (the rows of a train experiment) trains those rows'
-    runs alone, the others staying as the JSON has them or pending."""
+    """Run `exp` (resumably) and write `<results_dir>/<name>.json`; return its path. `retrain` trains (or measures)
+    every run again, whatever the runs directory and the JSON hold; `only` (the rows of a train experiment) trains
+    those rows' runs alone, the others staying as the JSON has them or pending; `only=[]` trains and measures
+    nothing, rewriting the JSON from what it and the runs directory hold (a run or point under an earlier config
+    marked stale)."""
     from ..machine import describe_machine
     from . import continual, measure
 
@@ -237,10 +219,12 @@ def run_experiment(exp: Experiment, results_dir: Path, runs_dir: Path, jobs: int
         body = train_grid(exp, path, runs_dir, jobs, header, quiet, retrain, only)
     elif exp.kind == "continual":
         body = continual.continual_results(exp, runs_dir, jobs, quick, quiet, recorded=None if retrain else path)
+    elif only:
+        raise ValueError(f"--only is for a training grid; {exp.name} is a {exp.kind} experiment")
     elif exp.kind == "capacity":
-        body = measure.capacity_results(exp, runs_dir / exp.name, jobs, quiet)
+        body = measure.capacity_results(exp, runs_dir / exp.name, jobs, quiet, path, only is None, retrain)
     else:
-        body = measure.efficiency_results(exp, runs_dir / exp.name, quiet)
+        body = measure.efficiency_results(exp, runs_dir / exp.name, quiet, path, only is None, retrain)
     write_json(path, {**header, **body})
     if not quiet:
         print(f"wrote {path}", file=sys.stderr, flush=True)

@@ -7,13 +7,14 @@ of its kind, and each of them builds on this one.
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from multiprocessing import get_context
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..io.state import staged_writes
 from ..models.config import unread_fields, without_fields
@@ -93,11 +94,12 @@ def _train_or_error(cfg: TrainConfig, run_dir: Path, retrain: bool = False) -> d
         return {"error": f"{type(err).__name__}: {' '.join(str(err).split())[:300]}"}
 
 
-def cached(path: Path, function: Callable[..., Any], *args: Any) -> Any:
-    """`function(*args)`, or the result stored at `path` by an earlier call with the same arguments: measurements
-    resume like training runs. A result with a failed `status` is not stored, so that a rerun tries again."""
+def cached(path: Path, function: Callable[..., Any], *args: Any, refresh: bool = False) -> Any:
+    """`function(*args)`, or the result stored at `path` by an earlier call with the same arguments (not with
+    `refresh`): measurements resume like training runs. A result with a failed `status` is not stored, so that a
+    rerun tries again."""
     key = json.dumps(args, sort_keys=True, default=str)
-    if path.is_file():
+    if path.is_file() and not refresh:
         try:
             saved = json.loads(path.read_text())
         except ValueError:
@@ -110,6 +112,48 @@ def cached(path: Path, function: Callable[..., Any], *args: Any) -> Any:
         with staged_writes(path) as (partial,):
             partial.write_text(json.dumps({"key": key, "result": result}))
     return result
+
+
+class Point(NamedTuple):
+    """One point of a measuring grid (`measure`'s capacity and efficiency): its run id in the results JSON, `spec`
+    (everything its value depends on: the settings, the model's or the memory rule's config with every default
+    spelled out, the machine where it is a timing), and the call that measures it, `(cache path, function, *args)`
+    for `cached`."""
+
+    run_id: str
+    spec: dict[str, Any]
+    call: tuple[Any, ...]
+    measurable: bool = True  # False: read back or shown stale only (what would measure it is not installed here)
+
+
+def measure_points(points: list[Point], records: dict[str, Any], recorded_spec: Callable[[dict[str, Any]], Any],
+                   keys: tuple[str, ...], jobs: int, describe: Callable[[Any], str], quiet: bool = False,
+                   measure: bool = True, refresh: bool = False) -> tuple[dict[str, dict[str, Any]],
+                                                                         dict[str, list[str]]]:
+    """(the points {run id: result}, the stale ones {run id: what changed since}). A point that the results JSON's
+    `records` hold measured with exactly its spec (`recorded_spec(record)`, the spec a record was measured under,
+    rebuilt for a record from before records kept one) is read back (its `keys`); the others are measured (`jobs`
+    at a time, each kept in its cache path) or, without `measure`, shown from their record under another spec and
+    marked stale, as a training grid marks a run trained under another config. A point with neither is left out
+    (pending). A failed record (its status not ok) is measured again, as a failed training run is trained again.
+    `refresh` measures every point again, whatever the JSON and the caches hold."""
+    results: dict[str, dict[str, Any]] = {}
+    stale: dict[str, list[str]] = {}
+    todo = []
+    for point in points:
+        record = records.get(point.run_id)
+        saved = recorded_spec(record) if isinstance(record, dict) and record.get("status", "ok") == "ok" else None
+        if saved == point.spec and not refresh:
+            results[point.run_id] = {key: record[key] for key in keys if key in record}
+        elif measure and point.measurable:
+            todo.append(point)
+        elif saved is not None:
+            results[point.run_id] = {key: record[key] for key in keys if key in record}
+            stale[point.run_id] = config_changes(saved, point.spec)
+    measured = run_parallel(functools.partial(cached, refresh=refresh), [point.call for point in todo],
+                            [point.run_id for point in todo], jobs, describe, quiet)
+    results.update({point.run_id: result for point, result in zip(todo, measured)})
+    return {point.run_id: results[point.run_id] for point in points if point.run_id in results}, stale
 
 
 def run_parallel(function: Callable[..., Any], calls: list[tuple[Any, ...]], labels: list[str], jobs: int,
@@ -185,6 +229,36 @@ def run_record(run: Run, summary: dict[str, Any], values: dict[str, float | None
                 **{key: summary[key] for key in TRAINING_KEYS if key in summary},
                 **({"machine": summary["machine"]} if summary.get("machine") else {}),
                 "evaluation": summary["results"]})}
+
+
+def json_data(path: Path | None) -> dict[str, Any]:
+    """The results JSON at `path`; empty where there is none, or it is not one (`titans experiment report` names what
+    is wrong with such a file)."""
+    try:
+        data = json.loads(path.read_text()) if path is not None and path.is_file() else {}
+    except ValueError:
+        return {}
+    return data if isinstance(data, dict) and isinstance(data.get("runs", {}), dict) else {}
+
+
+def json_records(path: Path) -> tuple[dict[str, Any], str | None]:
+    """(the run records, the machine) of the results JSON at `path`; none where there is no results JSON there."""
+    data = json_data(path)
+    return dict(data.get("runs", {})), data.get("machine")
+
+
+def config_changes(saved: dict[str, Any], grid: dict[str, Any], prefix: str = "") -> list[str]:
+    """'field: recorded → the grid's' for every field where a recorded config differs from the grid's."""
+    changes = []
+    for key in sorted(set(saved) | set(grid)):
+        old, new = saved.get(key), grid.get(key)
+        if isinstance(old, dict) and isinstance(new, dict):
+            changes += config_changes(old, new, f"{prefix}{key}.")
+        elif old is None and isinstance(new, dict):  # a section the record does not hold (from before it kept one)
+            changes.append(f"{prefix}{key}: not recorded")
+        elif old != new:
+            changes.append(f"{prefix}{key}: {json.dumps(old)} → {json.dumps(new)}")
+    return changes
 
 
 def recorded_config(record: Any) -> TrainConfig | None:
