@@ -139,3 +139,20 @@ def test_measuring_grids_take_no_rows_and_continual_is_not_rewritten_without_its
                                     str(tmp_path / "untouched")])
     assert continual.exit_code == 2 and "--no-train is for a training or measuring grid" in continual.output
     assert not (tmp_path / "untouched").exists()
+
+
+@pytest.mark.parametrize("name", list(POINT))
+def test_the_committed_measurements_are_current(tmp_path, monkeypatch, name):
+    """The committed JSON, rewritten with --no-train on the machine it names, has no point stale or pending: every
+    point was measured under today's defaults and grid."""
+    committed = json.loads((ROOT / "docs" / "results" / f"{name}.json").read_text())
+    monkeypatch.setattr("titans.machine.describe_machine", lambda: committed["machine"])
+    clone = tmp_path / "results"
+    clone.mkdir()
+    (clone / f"{name}.json").write_text(json.dumps(committed))
+    result = CliRunner().invoke(app, ["experiment", "run", name, "--no-train", "--results-dir", str(clone),
+                                      "--runs-dir", str(tmp_path / "runs"), "--quiet"])
+    assert result.exit_code == 0, result.output
+    data = json.loads((clone / f"{name}.json").read_text())
+    assert data.get("stale", {}) == {} and data.get("pending", []) == []
+    assert data["results"] == committed["results"]
