@@ -13,6 +13,8 @@ from titans.cli import app
 from titans.experiments import load_experiment, run_experiment
 from titans.experiments.measure import REFERENCE
 
+from .test_experiments import fresh_clone_of
+
 ROOT = Path(__file__).resolve().parents[2]
 FOLDER = ROOT / "configs" / "experiments"
 POINT = {"capacity": "capacity_point", "efficiency": "efficiency_point"}
@@ -27,17 +29,6 @@ def measured(tmp_path_factory):
         run_experiment(load_experiment(name, quick=True, folder=FOLDER), root / "results", root / "runs", jobs=1,
                        quick=True, quiet=True)
     return root / "results"
-
-
-def clone_of(results: Path, name: str, tmp_path: Path, edit=None) -> Path:
-    """A results dir holding only `name`'s JSON (edited by `edit(data)`), as a fresh clone has it: no runs dir."""
-    data = json.loads((results / f"{name}.json").read_text())
-    if edit is not None:
-        edit(data)
-    clone = tmp_path / "clone"
-    clone.mkdir()
-    (clone / f"{name}.json").write_text(json.dumps(data))
-    return clone
 
 
 def count_points(monkeypatch, name: str) -> list:
@@ -66,7 +57,7 @@ def test_a_fresh_clone_reads_every_point_back_from_the_json(measured, tmp_path, 
     before = json.loads((measured / f"{name}.json").read_text())
     assert all("spec" in record for record in before["runs"].values())
     calls = count_points(monkeypatch, name)
-    clone = clone_of(measured, name, tmp_path)
+    clone = fresh_clone_of(measured, name, tmp_path)
     exp = load_experiment(name, quick=True, folder=FOLDER)
     after = json.loads(run_experiment(exp, clone, tmp_path / "runs", jobs=1, quick=True, quiet=True).read_text())
     assert calls == [] and after["results"] == before["results"] and after["runs"] == before["runs"]
@@ -95,7 +86,7 @@ def test_a_point_of_an_earlier_spec_is_shown_stale_until_measured_again(measured
     def edited(data):
         edit(data["runs"][changed])
 
-    clone = clone_of(measured, name, tmp_path, edited)
+    clone = fresh_clone_of(measured, name, tmp_path, edited)
     calls = count_points(monkeypatch, name)
     data = no_train(name, clone, tmp_path / "runs")
     assert calls == [] and data["pending"] == [changed] and list(data["stale"]) == [changed]
@@ -124,7 +115,7 @@ def test_the_reference_points_are_kept_where_titans_pytorch_is_not_installed(mea
     monkeypatch.setattr("titans.experiments.measure.REFERENCE_CONFIG", {"dim": 256})
     monkeypatch.setattr("titans.machine.reference_available", lambda: False)
     calls = count_points(monkeypatch, "efficiency")
-    clone = clone_of(measured, "efficiency", tmp_path, with_reference)
+    clone = fresh_clone_of(measured, "efficiency", tmp_path, with_reference)
     after = json.loads(run_experiment(exp, clone, tmp_path / "runs", jobs=1, quick=True, quiet=True).read_text())
     assert calls == [] and "stale" not in after and "pending" not in after
     assert after["results"][REFERENCE] == reference["values"]
