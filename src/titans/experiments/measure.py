@@ -21,12 +21,14 @@ import json
 import resource
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..tasks.recall import Capacity, CapacityOptions, measure_capacity
+from .runs import Measuring
 from .spec import Experiment, merge
 
 # ------------------------------------------------------------------------------------------------------- capacity
@@ -102,12 +104,11 @@ def capacity_spec(grid: dict[str, Any], shape: tuple[int, int, int], rule: dict[
             "chunk_size": chunk, "rule": rule}
 
 
-def capacity_results(exp: Experiment, points_dir: Path, jobs: int, quiet: bool = False,
-                     recorded: Path | None = None, measure: bool = True, refresh: bool = False) -> dict[str, Any]:
+def capacity_results(exp: Experiment, points_dir: Path, how: Measuring) -> dict[str, Any]:
     """The capacity JSON body: one row per memory depth, one panel per chunk size, x the expansion. A shape's point
-    is read back from the results JSON at `recorded` where measured under exactly its spec (`capacity_spec`: the
+    is read back from the results JSON (`how.recorded`) where measured under exactly its spec (`capacity_spec`: the
     grid's settings and the memory's rule, so that a changed default of the rule marks it stale), else measured and
-    kept in `points_dir` (or, without `measure`, shown stale from its record: `runs.measure_points`)."""
+    kept in `points_dir` (or shown stale from its record: `runs.measure_points`)."""
     from .runs import Point, add_setting, json_data, measure_points
 
     grid = exp.capacity
@@ -117,16 +118,15 @@ def capacity_results(exp: Experiment, points_dir: Path, jobs: int, quiet: bool =
     points = [Point(f"depth{d}-expansion{e}-chunk{c}", capacity_spec(settings, (d, e, c), rule),
                     (points_dir / f"depth{d}-expansion{e}-chunk{c}.json", capacity_point, settings, d, e, c))
               for d, e, c in shapes]
-    data = json_data(recorded)
+    data = json_data(how.recorded)
 
     def recorded_spec(record: dict[str, Any]) -> dict[str, Any]:
         # a record from before records kept their spec: the JSON's grid, the rule not recorded
         shape = (record["memory_depth"], record["expansion"], record["chunk_size"])
         return record.get("spec") or capacity_spec(data.get("grid", {}), shape, None)
 
-    found, stale = measure_points(points, data.get("runs", {}), recorded_spec, CAPACITY_KEYS, jobs,
-                                  lambda p: f"capacity {p['capacity']} at theta {p['theta']}", quiet, measure,
-                                  refresh)
+    found, stale = measure_points(points, data.get("runs", {}), recorded_spec, CAPACITY_KEYS,
+                                  lambda p: f"capacity {p['capacity']} at theta {p['theta']}", how)
     panels: dict[str, dict[str, list]] = {}
     results: dict[str, dict[str, float]] = {}
     runs = {}
@@ -256,14 +256,13 @@ def efficiency_spec(impl: str, model: dict[str, Any], length: int, grid: dict[st
             "machine": machine}
 
 
-def efficiency_results(exp: Experiment, points_dir: Path, quiet: bool = False, recorded: Path | None = None,
-                       measure: bool = True, refresh: bool = False) -> dict[str, Any]:
+def efficiency_results(exp: Experiment, points_dir: Path, how: Measuring) -> dict[str, Any]:
     """The efficiency JSON body: one row per variant (and the reference), panels for training tokens/s, peak memory
-    and generation tokens/s, x the sequence length. Points run one at a time: timings taken side by side would
-    measure each other. A point is read back from the results JSON at `recorded` where measured under exactly its
-    spec (`efficiency_spec`: the model's config, the grid's settings and the machine, so that a changed default marks
-    the points of every model it changes stale), else measured and kept in `points_dir` (or, without `measure`,
-    shown stale from its record: `runs.measure_points`)."""
+    and generation tokens/s, x the sequence length. Points run one at a time (`how.jobs` is not read): timings taken
+    side by side would measure each other. A point is read back from the results JSON (`how.recorded`) where
+    measured under exactly its spec (`efficiency_spec`: the model's config, the grid's settings and the machine, so
+    that a changed default marks the points of every model it changes stale), else measured and kept in
+    `points_dir` (or shown stale from its record: `runs.measure_points`)."""
     from ..machine import describe_machine, reference_available
     from ..models.peer import installed_version
     from ..train.config import load_train_config
@@ -271,12 +270,12 @@ def efficiency_results(exp: Experiment, points_dir: Path, quiet: bool = False, r
 
     grid = exp.efficiency
     settings = grid.to_dict()
-    data = json_data(recorded)
+    data = json_data(how.recorded)
     models = dict(exp.models)
     installed = reference_available()
     if grid.reference:  # where titans-pytorch is not installed, its recorded points are kept as measured
         models[REFERENCE] = {}
-        if not installed and not quiet:
+        if not installed and not how.quiet:
             print("titans-pytorch is not installed (pip install -c constraints.txt '.[compare]'): its points are "
                   "not measured here", flush=True)
     machine = describe_machine()
@@ -308,10 +307,10 @@ def efficiency_results(exp: Experiment, points_dir: Path, quiet: bool = False, r
             data.get("grid", {}), data.get("machine"))
 
     found, stale = measure_points(
-        points, data.get("runs", {}), recorded_spec, EFFICIENCY_KEYS, 1,
+        points, data.get("runs", {}), recorded_spec, EFFICIENCY_KEYS,
         lambda p: p["status"] if p["status"] != "ok" else
         f"train {p['train_tokens_per_s']:.0f} tok/s, peak {p['peak_mib']:.0f} MiB, "
-        f"generate {p['generate_tokens_per_s']:.0f} tok/s", quiet, measure, refresh)
+        f"generate {p['generate_tokens_per_s']:.0f} tok/s", replace(how, jobs=1))
     measures = {"training tokens/s": ("train_tokens_per_s", True), "peak memory (MiB)": ("peak_mib", False),
                 "generation tokens/s": ("generate_tokens_per_s", True)}
     panels = {name: {"settings": [f"{name}/{n}" for n in grid.lengths], "x": [float(n) for n in grid.lengths],

@@ -47,6 +47,7 @@ from ..train.config import TrainConfig
 from ..train.loop import checked_tasks
 from .runs import (
     TRAINING_KEYS,
+    Measuring,
     _identity,
     _train_or_error,
     add_setting,
@@ -222,9 +223,9 @@ def run_experiment(exp: Experiment, results_dir: Path, runs_dir: Path, jobs: int
     elif only:
         raise ValueError(f"--only is for a training grid; {exp.name} is a {exp.kind} experiment")
     elif exp.kind == "capacity":
-        body = measure.capacity_results(exp, runs_dir / exp.name, jobs, quiet, path, only is None, retrain)
-    else:
-        body = measure.efficiency_results(exp, runs_dir / exp.name, quiet, path, only is None, retrain)
+        body = measure.capacity_results(exp, runs_dir / exp.name, Measuring(path, only is None, retrain, jobs, quiet))
+    else:  # one point at a time, whatever `jobs`: timings taken side by side would measure each other
+        body = measure.efficiency_results(exp, runs_dir / exp.name, Measuring(path, only is None, retrain, 1, quiet))
     write_json(path, {**header, **body})
     if not quiet:
         print(f"wrote {path}", file=sys.stderr, flush=True)

@@ -12,6 +12,7 @@ import json
 import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass
 from multiprocessing import get_context
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -126,32 +127,44 @@ class Point(NamedTuple):
     measurable: bool = True  # False: read back or shown stale only (what would measure it is not installed here)
 
 
+@dataclass(frozen=True)
+class Measuring:
+    """How a measuring grid treats its points: the results JSON it reads them back from, whether it measures those it
+    cannot read back (False: `--no-train`, which shows them stale instead) or every point again (`refresh`:
+    `--retrain`), how many at a time, and whether it prints a line per point."""
+
+    recorded: Path | None = None
+    measure: bool = True
+    refresh: bool = False
+    jobs: int = 1
+    quiet: bool = False
+
+
 def measure_points(points: list[Point], records: dict[str, Any], recorded_spec: Callable[[dict[str, Any]], Any],
-                   keys: tuple[str, ...], jobs: int, describe: Callable[[Any], str], quiet: bool = False,
-                   measure: bool = True, refresh: bool = False) -> tuple[dict[str, dict[str, Any]],
-                                                                         dict[str, list[str]]]:
+                   keys: tuple[str, ...], describe: Callable[[Any], str],
+                   how: Measuring) -> tuple[dict[str, dict[str, Any]], dict[str, list[str]]]:
     """(the points {run id: result}, the stale ones {run id: what changed since}). A point that the results JSON's
     `records` hold measured with exactly its spec (`recorded_spec(record)`, the spec a record was measured under,
-    rebuilt for a record from before records kept one) is read back (its `keys`); the others are measured (`jobs`
-    at a time, each kept in its cache path) or, without `measure`, shown from their record under another spec and
-    marked stale, as a training grid marks a run trained under another config. A point with neither is left out
-    (pending). A failed record (its status not ok) is measured again, as a failed training run is trained again.
-    `refresh` measures every point again, whatever the JSON and the caches hold."""
+    rebuilt for a record from before records kept one) is read back (its `keys`); the others are measured (each
+    kept in its cache path) or, where `how` does not measure, shown from their record under another spec and marked
+    stale, as a training grid marks a run trained under another config. A point with neither is left out (pending).
+    A failed record (its status not ok) is measured again, as a failed training run is trained again. `how.refresh`
+    measures every point again, whatever the JSON and the caches hold."""
     results: dict[str, dict[str, Any]] = {}
     stale: dict[str, list[str]] = {}
     todo = []
     for point in points:
         record = records.get(point.run_id)
         saved = recorded_spec(record) if isinstance(record, dict) and record.get("status", "ok") == "ok" else None
-        if saved == point.spec and not refresh:
+        if saved == point.spec and not how.refresh:
             results[point.run_id] = {key: record[key] for key in keys if key in record}
-        elif measure and point.measurable:
+        elif how.measure and point.measurable:
             todo.append(point)
         elif saved is not None:
             results[point.run_id] = {key: record[key] for key in keys if key in record}
             stale[point.run_id] = config_changes(saved, point.spec)
-    measured = run_parallel(functools.partial(cached, refresh=refresh), [point.call for point in todo],
-                            [point.run_id for point in todo], jobs, describe, quiet)
+    measured = run_parallel(functools.partial(cached, refresh=how.refresh), [point.call for point in todo],
+                            [point.run_id for point in todo], how.jobs, describe, how.quiet)
     results.update({point.run_id: result for point, result in zip(todo, measured)})
     return {point.run_id: results[point.run_id] for point in points if point.run_id in results}, stale
 
