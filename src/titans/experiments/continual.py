@@ -15,7 +15,6 @@ by it).
 from __future__ import annotations
 
 import functools
-import json
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +32,7 @@ from .runs import (
     collect,
     describe_run,
     identity_key,
+    json_data,
     over_seeds,
     recorded_config,
     run_parallel,
@@ -87,17 +87,12 @@ def recorded_points(path: Path | None, grid: dict[str, Any], runs: list[Run]) ->
     """{index in `runs`: its record} for the runs whose measurement the continual JSON at `path` holds for the same
     grid and exactly the run's config (as the training grids read a run back from their JSON): a fresh clone, which
     has the JSON but not the source's trained runs, then trains and measures only the models whose config changed."""
-    if path is None or not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text())
-    except ValueError:
-        return {}
-    if not isinstance(data, dict) or data.get("grid") != grid or not isinstance(data.get("runs"), dict):
+    data = json_data(path)
+    if data.get("grid") != grid:
         return {}
     kept = {}
     for i, run in enumerate(runs):
-        record = data["runs"].get(run.run_id)
+        record = data.get("runs", {}).get(run.run_id)
         saved = recorded_config(record)
         if saved is not None and identity_key(saved) == identity_key(run.config) \
                 and all(value is not None for value in record["values"].values()):
