@@ -926,6 +926,39 @@ def test_continual_on_a_fresh_clone_reads_its_json_and_measures_only_changed_mod
     assert len(retrained) == len(before["runs"])
 
 
+def test_continual_under_no_train_shows_a_changed_model_stale_and_measures_nothing(quick_results, tmp_path,
+                                                                                monkeypatch):
+    """As the training and measuring grids do under --no-train: a model measured under an earlier default keeps its
+    recorded values, marked stale with what changed (so the report says so); nothing is trained or measured; the
+    other models are read back as they were."""
+    results_dir, _ = quick_results
+    before = json.loads((results_dir / "continual.json").read_text())
+    changed, *kept = list(before["runs"])
+
+    def earlier_default(data):
+        data["runs"][changed]["config"]["model"]["memory"]["residual"] = True
+
+    clone = fresh_clone_of(results_dir, "continual", tmp_path, earlier_default)
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("trained or measured")
+
+    monkeypatch.setattr("titans.train.train", no_work)
+    monkeypatch.setattr("titans.experiments.continual.continual_point", no_work)
+    result = CliRunner().invoke(app, ["experiment", "run", "continual", "--quick", "--no-train", "--results-dir",
+                                      str(clone), "--runs-dir", str(tmp_path / "runs"), "--quiet"])
+    assert result.exit_code == 0, result.output
+    after = json.loads((clone / "continual.json").read_text())
+    assert after["stale"] == {changed: ["model.memory.residual: true → false"]} and after["pending"] == [changed]
+    assert after["runs"][changed]["values"] == before["runs"][changed]["values"]
+    assert all(after["runs"][run_id] == before["runs"][run_id] for run_id in kept)
+    assert after["results"] == before["results"] and not (tmp_path / "runs").exists()
+    write_report(clone, tmp_path / "RESULTS.md")
+    report = (tmp_path / "RESULTS.md").read_text()
+    assert "1 more are shown as trained under an earlier config" in report
+    assert f"{before['runs'][changed]['model']} (stale)" in report
+
+
 def test_continual_takes_the_source_rows_it_names_not_extra_models_of_their_variant(quick_results, tmp_path,
                                                                                    monkeypatch):
     """An extra model of the source (lm's "mac paper order" is a MAC) is a row of its own: continual measures the rows

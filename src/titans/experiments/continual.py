@@ -26,12 +26,13 @@ from ..tasks.lm import bits_per_byte, repeated_passage_documents
 from ..train.batches import derive_seed, streamed
 from ..train.loop import load_trained
 from .runs import (
+    _identity,
     _train_or_error,
     add_setting,
     cached,
     collect,
+    config_changes,
     describe_run,
-    identity_key,
     json_data,
     over_seeds,
     recorded_config,
@@ -83,25 +84,31 @@ def continual_point(run_dir: str, grid: dict[str, Any], config: dict[str, Any], 
     return {str(gap): passage_bits(model, data, grid, gap) for gap in grid["gaps"]}
 
 
-def recorded_points(path: Path | None, grid: dict[str, Any], runs: list[Run]) -> dict[int, dict[str, Any]]:
-    """{index in `runs`: its record} for the runs whose measurement the continual JSON at `path` holds for the same
-    grid and exactly the run's config (as the training grids read a run back from their JSON): a fresh clone, which
-    has the JSON but not the source's trained runs, then trains and measures only the models whose config changed."""
+def recorded_points(path: Path | None, grid: dict[str, Any],
+                    runs: list[Run]) -> tuple[dict[int, dict[str, Any]], dict[int, tuple[dict[str, Any], list[str]]]]:
+    """({index in `runs`: its record} for the runs whose measurement the continual JSON at `path` holds for the same
+    grid and exactly the run's config, {index: (its record, what changed since)} for those it holds measured under
+    another config or grid). The first are read back (as the training grids read a run back from their JSON: a fresh
+    clone, which has the JSON but not the source's trained runs, then trains and measures only the models whose config
+    changed); the second are measured again, or under --no-train shown as recorded and marked stale."""
     data = json_data(path)
-    if data.get("grid") != grid:
-        return {}
-    kept = {}
+    kept, earlier = {}, {}
     for i, run in enumerate(runs):
         record = data.get("runs", {}).get(run.run_id)
         saved = recorded_config(record)
-        if saved is not None and identity_key(saved) == identity_key(run.config) \
-                and all(value is not None for value in record["values"].values()):
+        if saved is None or any(value is None for value in record.get("values", {None: None}).values()):
+            continue
+        changes = config_changes({"grid": data.get("grid"), **_identity(saved)},
+                                 {"grid": grid, **_identity(run.config)})
+        if changes:
+            earlier[i] = (record, changes)
+        else:
             kept[i] = record
-    return kept
+    return kept, earlier
 
 
 def continual_results(exp: Experiment, runs_dir: Path, jobs: int, quick: bool, quiet: bool = False,
-                      recorded: Path | None = None) -> dict[str, Any]:
+                      recorded: Path | None = None, measure: bool = True) -> dict[str, Any]:
     """The continual JSON body: panels "first reading", "second reading" (bits per byte, lower is better) and "drop"
     (first − second, higher is better) against the gap, one row per model of the source experiment (those of
     `exp.variants`). A model whose measurement the JSON at `recorded` holds (same grid, same config) is read back
@@ -114,12 +121,12 @@ def continual_results(exp: Experiment, runs_dir: Path, jobs: int, quick: bool, q
     runs = [run for run in expand(source) if run.model in exp.variants]
     if not runs:
         raise ValueError(f"experiment {exp.name}: {grid.source} has no runs of the variants {exp.variants}")
-    kept = recorded_points(recorded, grid.to_dict(), runs)
-    todo = [i for i in range(len(runs)) if i not in kept]
+    kept, earlier = recorded_points(recorded, grid.to_dict(), runs)
+    todo = [i for i in range(len(runs)) if i not in kept] if measure else []
     dirs = [runs_dir / source.name / run.run_id for run in runs]
     if not quiet:
-        print(f"{exp.name}: the {len(runs)} runs of {source.name} ({len(kept)} read back from {recorded}; the rest "
-              f"trained where missing), {jobs} at a time", flush=True)
+        print(f"{exp.name}: the {len(runs)} runs of {source.name} ({len(kept)} read back from {recorded}; "
+              + (f"the rest trained where missing), {jobs} at a time" if measure else "nothing measured)"), flush=True)
     trained = run_parallel(_train_or_error, [(runs[i].config, dirs[i]) for i in todo], [runs[i].run_id for i in todo],
                            jobs, functools.partial(describe_run, metric=source.metric), quiet)
     summaries: dict[int, dict[str, Any]] = dict(zip(todo, trained))
@@ -135,10 +142,16 @@ def continual_results(exp: Experiment, runs_dir: Path, jobs: int, quick: bool, q
             add_setting(panels, panel, f"{panel}/{gap}", float(gap), higher_is_better=better)
     per_seed: dict[str, dict[str, list[float | None]]] = {}
     records = {}
+    # not measured here (under --no-train): shown as recorded under an earlier config and marked stale, or pending
+    shown = {**kept, **{i: record for i, (record, _) in earlier.items() if i not in summaries}}
+    stale = {runs[i].run_id: changes for i, (_, changes) in earlier.items() if i not in summaries}
+    pending = [run.run_id for i, run in enumerate(runs) if i not in kept and i not in summaries]
     for i, run in enumerate(runs):
-        if i in kept:
-            collect(per_seed, run.model, kept[i]["values"])
-            records[run.run_id] = kept[i]
+        if i in shown:
+            collect(per_seed, run.model, shown[i]["values"])
+            records[run.run_id] = shown[i]
+            continue
+        if i not in summaries:
             continue
         point = points.get(i)
         values: dict[str, float | None] = {}
@@ -148,4 +161,5 @@ def continual_results(exp: Experiment, runs_dir: Path, jobs: int, quick: bool, q
             values[f"drop/{gap}"] = None if point is None else first - second
         collect(per_seed, run.model, values)
         records[run.run_id] = {**run_record(run, summaries[i], values), "source": f"{source.name}/{run.run_id}"}
-    return {"panels": panels, **over_seeds(per_seed), "runs": records, "grid": grid.to_dict()}
+    return {"panels": panels, **over_seeds(per_seed), "runs": records, "grid": grid.to_dict(),
+            **({"pending": pending} if pending else {}), **({"stale": stale} if stale else {})}

@@ -218,10 +218,11 @@ def run_experiment(exp: Experiment, results_dir: Path, runs_dir: Path, jobs: int
     path = results_dir / f"{exp.name}.json"
     if exp.kind == "train":
         body = train_grid(exp, path, runs_dir, jobs, header, quiet, retrain, only)
-    elif exp.kind == "continual":
-        body = continual.continual_results(exp, runs_dir, jobs, quick, quiet, recorded=None if retrain else path)
     elif only:
         raise ValueError(f"--only is for a training grid; {exp.name} is a {exp.kind} experiment")
+    elif exp.kind == "continual":
+        body = continual.continual_results(exp, runs_dir, jobs, quick, quiet, recorded=None if retrain else path,
+                                           measure=only is None)
     elif exp.kind == "capacity":
         body = measure.capacity_results(exp, runs_dir / exp.name, Measuring(path, only is None, retrain, jobs, quiet))
     else:  # one point at a time, whatever `jobs`: timings taken side by side would measure each other
