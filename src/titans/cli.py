@@ -417,8 +417,6 @@ def experiment_run(
     if no_train and only is not None:
         raise ValueError("--no-train trains no rows, so it takes no --only")
     rows = [] if no_train else [row.strip() for row in only.split(",") if row.strip()] if only is not None else None
-    if rows and exp.kind != "train":
-        raise ValueError(f"--only is for a training grid; {exp.name} is a {exp.kind} experiment")
     typer.echo(str(run_experiment(exp, results_dir, runs_dir or default_root, jobs, quick=quick, quiet=quiet,
                                    retrain=retrain, only=rows)))
 

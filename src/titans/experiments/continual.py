@@ -96,7 +96,8 @@ def recorded_points(path: Path | None, grid: dict[str, Any],
     for i, run in enumerate(runs):
         record = data.get("runs", {}).get(run.run_id)
         saved = recorded_config(record)
-        if saved is None or any(value is None for value in record.get("values", {None: None}).values()):
+        values = record.get("values") if saved is not None else None
+        if not values or None in values.values():  # not recorded, or a measurement missing: measured again
             continue
         changes = config_changes({"grid": data.get("grid"), **_identity(saved)},
                                  {"grid": grid, **_identity(run.config)})

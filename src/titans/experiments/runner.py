@@ -205,6 +205,8 @@ def run_experiment(exp: Experiment, results_dir: Path, runs_dir: Path, jobs: int
     from ..machine import describe_machine
     from . import continual, measure
 
+    if only and exp.kind != "train":  # before anything is written
+        raise ValueError(f"--only is for a training grid; {exp.name} is a {exp.kind} experiment")
     jobs = jobs or default_jobs()
     results_dir.mkdir(parents=True, exist_ok=True)
     header = {"experiment": exp.name, "title": exp.title or exp.name, "about": " ".join(exp.about.split()),
@@ -218,8 +220,6 @@ def run_experiment(exp: Experiment, results_dir: Path, runs_dir: Path, jobs: int
     path = results_dir / f"{exp.name}.json"
     if exp.kind == "train":
         body = train_grid(exp, path, runs_dir, jobs, header, quiet, retrain, only)
-    elif only:
-        raise ValueError(f"--only is for a training grid; {exp.name} is a {exp.kind} experiment")
     elif exp.kind == "continual":
         body = continual.continual_results(exp, runs_dir, jobs, quick, quiet, recorded=None if retrain else path,
                                            measure=only is None)
