@@ -1014,3 +1014,33 @@ def test_the_second_metric_is_the_mean_over_seeds_in_the_json_and_a_table_under_
     text = section(data, Path("niah.json"), Path("niah.png"), Path("."))
     headline, second = text.split("Beside it, token_accuracy")
     assert "| 0.00 |" in headline and "0.50 (0.25–0.75)" in second and "0.50" not in headline
+
+
+def test_every_committed_json_holds_its_grids_words():
+    """A grid's title, about and discussion are written in its YAML and copied into its JSON when it runs (the
+    report reads the JSON): an edit to the YAML that was never run through `titans experiment run NAME --no-train`
+    would leave RESULTS.md saying what the YAML no longer does."""
+    for name in experiment_names():
+        path = ROOT / "docs" / "results" / f"{name}.json"
+        if not path.is_file():
+            continue
+        exp, data = load_experiment(name), json.loads(path.read_text())
+        for field, words in (("title", exp.title or exp.name), ("about", exp.about), ("discussion", exp.discussion)):
+            assert data[field] == " ".join(words.split()), (name, field)
+
+
+def test_the_committed_report_is_what_the_committed_jsons_give(tmp_path, monkeypatch):
+    """RESULTS.md and the README's headline table are generated (`titans experiment report`): each, as committed, is
+    what the committed JSONs give today, so no hand edit and no forgotten report leaves a number the JSONs do not
+    hold. (The plots are not drawn here: they are the same JSONs' pictures.)"""
+    from titans.experiments import report
+
+    (tmp_path / "docs").mkdir()
+    shutil.copytree(ROOT / "docs" / "results", tmp_path / "docs" / "results")
+    shutil.copy(ROOT / "docs" / "RESULTS.md", tmp_path / "docs" / "RESULTS.md")
+    shutil.copy(ROOT / "README.md", tmp_path / "README.md")
+    monkeypatch.setattr(report, "plot", lambda data, path: None)
+    monkeypatch.chdir(tmp_path)
+    write_report(Path("docs/results"), Path("docs/RESULTS.md"), Path("README.md"))
+    for name in ("docs/RESULTS.md", "README.md"):
+        assert (tmp_path / name).read_text() == (ROOT / name).read_text(), f"{name}: run `titans experiment report`"
