@@ -17,7 +17,10 @@ def test_bench_runs_points_and_writes_json(tmp_path):
     for extra in ([], ["--release-memory"]):
         result = CliRunner().invoke(app, args + extra)
         assert result.exit_code == 0, result.output
-        points = json.loads(out.read_text())
+        data = json.loads(out.read_text())
+        assert data["machine"] == describe_machine() and data["command"].startswith("titans ")  # argv: pytest's
+        assert data["setup"]["dim"] == 8 and data["rounds"] == 1
+        points = data["points"]
         assert [(p["impl"], p["seq_len"], p["status"]) for p in points] == [("titans", 16, "ok"), ("titans", 40, "ok")]
         assert all(p["fwd_tok_s"] > 0 and p["fwd_bwd_tok_s"] > 0 and p["peak_mib"] >= 0 for p in points)
         assert ("MALLOC_MMAP_THRESHOLD_" in result.output) == bool(extra)
@@ -41,7 +44,8 @@ def test_rounds_alternate_and_keep_the_best_of_each(tmp_path):
     assert result.exit_code == 0, result.output
     assert result.output.count("      titans seq     16: ok") == 2 and "best of 2 round(s)" in result.output
     assert result.output.count("titans-paper seq     16: ok") == 2
-    assert [(p["impl"], p["seq_len"]) for p in json.loads(out.read_text())] == [("titans", 16), ("titans-paper", 16)]
+    assert [(p["impl"], p["seq_len"]) for p in json.loads(out.read_text())["points"]] == [("titans", 16),
+                                                                                  ("titans-paper", 16)]
     cost = result.output.splitlines()[-2]  # the rule-cost table's row, before "wrote ..."
     assert cost.startswith("| 16 |") and float(cost.split("|")[-2]) > 0
 
@@ -87,7 +91,7 @@ def test_bench_compares_implementations_in_one_run(tmp_path):
                                       "--chunk-size", "4", "--batch", "1", "--warmup", "0", "--repeats", "1",
                                       "--implementation", "fused,autograd", "--out", str(out)])
     assert result.exit_code == 0, result.output
-    points = json.loads(out.read_text())
+    points = json.loads(out.read_text())["points"]
     assert [(p["impl"], p["status"]) for p in points] == [("titans:fused", "ok"), ("titans:autograd", "ok")]
     header, _, row = result.output.splitlines()[-4:-1]  # the table, before "wrote ..."
     assert header.startswith("| seq | fused fwd tok/s |") and header.endswith("| fwd+bwd, autograd / fused |")
@@ -103,7 +107,7 @@ def test_bench_measures_the_losses_beside_the_squared_loss_in_one_run(tmp_path):
                                       "--chunk-size", "4", "--batch", "1", "--warmup", "0", "--repeats", "1",
                                       "--no-reference", "--loss", "huber:gated=true", "--out", str(out)])
     assert result.exit_code == 0, result.output
-    points = json.loads(out.read_text())
+    points = json.loads(out.read_text())["points"]
     assert [(p["impl"], p["status"]) for p in points] == [("titans", "ok"), ("titans-loss:huber:gated=true", "ok")]
     header, _, row = result.output.splitlines()[-4:-1]
     assert header == "| seq | squared fwd+bwd tok/s | huber:gated=true fwd+bwd tok/s | huber:gated=true / squared |"

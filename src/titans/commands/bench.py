@@ -123,7 +123,11 @@ def memory(
     if losses:
         typer.echo(format_loss_cost(points, list(losses)))
     if out is not None:
-        out.write_text(json.dumps([p.__dict__ for p in points], indent=2))
+        # as every other bench command's JSON: what ran it and where, beside the points (best of the rounds)
+        out.write_text(json.dumps({"command": "titans " + " ".join(sys.argv[1:]), "machine": describe_machine(),
+                                   "threads": __import__("torch").get_num_threads(), "rounds": rounds,
+                                   "setup": {key: value for key, value in spec.items() if key != "implementation"},
+                                   "points": [p.__dict__ for p in points]}, indent=2))
         typer.echo(f"wrote {out}")
 
 

@@ -194,6 +194,13 @@ def default_jobs() -> int:
     return max(1, os.cpu_count() or 1)
 
 
+def grid_words(exp: Experiment) -> dict[str, str]:
+    """The grid's prose as its JSON holds it (title, about, discussion; whitespace folded): written from the YAML at
+    every run, read by the report, and compared with the YAML by the tests, one definition for all three."""
+    return {"title": exp.title or exp.name, "about": " ".join(exp.about.split()),
+            "discussion": " ".join(exp.discussion.split())}
+
+
 def run_experiment(exp: Experiment, results_dir: Path, runs_dir: Path, jobs: int | None = None,
                    quick: bool = False, quiet: bool = False, retrain: bool = False,
                    only: list[str] | None = None) -> Path:
@@ -209,8 +216,7 @@ def run_experiment(exp: Experiment, results_dir: Path, runs_dir: Path, jobs: int
         raise ValueError(f"--only is for a training grid; {exp.name} is a {exp.kind} experiment")
     jobs = jobs or default_jobs()
     results_dir.mkdir(parents=True, exist_ok=True)
-    header = {"experiment": exp.name, "title": exp.title or exp.name, "about": " ".join(exp.about.split()),
-              "discussion": " ".join(exp.discussion.split()), "tier": "quick" if quick else "full", "kind": exp.kind,
+    header = {"experiment": exp.name, **grid_words(exp), "tier": "quick" if quick else "full", "kind": exp.kind,
               "command": "titans experiment run " + exp.name + (" --quick" if quick else ""),
               "machine": describe_machine(), "metric": exp.metric, "higher_is_better": exp.higher_is_better,
               "x_label": exp.x_label, "x_axis": exp.x_axis, "compare": [list(pair) for pair in exp.compare],
