@@ -16,6 +16,11 @@ bench_app = typer.Typer(help="Throughput and memory benchmarks.", no_args_is_hel
 
 
 @bench_app.callback()
+
+def _provenance() -> dict[str, str]:
+    """What every bench JSON records first: the command that wrote it and the machine it ran on."""
+    return {"command": "titans " + " ".join(sys.argv[1:]), "machine": describe_machine()}
+
 def _group() -> None:
     """Throughput and memory benchmarks (commands, not tests)."""
 
@@ -111,10 +116,11 @@ def memory(
                            err=True)
                 done.append(point)
         points.extend(best_of(done) for done in runs.values())
+    threads = __import__("torch").get_num_threads()
     typer.echo(f"NeuralMemory dim {dim}, heads {heads}, depth {depth}, expansion {expansion}, chunk {chunk_size}, "
                f"batch {batch}, on {device}, implementation {implementation or 'default'}; "
                f"best of {rounds} round(s) × {repeats} iteration(s); "
-               f"{__import__('torch').get_num_threads()} threads; allocator: "
+               f"{threads} threads; allocator: "
                + ("MALLOC_MMAP_THRESHOLD_=131072" if release_memory else "glibc default"))
     typer.echo(f"machine: {describe_machine()}")
     typer.echo(format_implementations(points, list(ours)) if len(chosen) > 1 else format_table(points))
@@ -124,8 +130,8 @@ def memory(
         typer.echo(format_loss_cost(points, list(losses)))
     if out is not None:
         # as every other bench command's JSON: what ran it and where, beside the points (best of the rounds)
-        out.write_text(json.dumps({"command": "titans " + " ".join(sys.argv[1:]), "machine": describe_machine(),
-                                   "threads": __import__("torch").get_num_threads(), "rounds": rounds,
+        out.write_text(json.dumps({**_provenance(),
+                                   "threads": threads, "rounds": rounds,
                                    "setup": {key: value for key, value in spec.items() if key != "implementation"},
                                    "points": [p.__dict__ for p in points]}, indent=2))
         typer.echo(f"wrote {out}")
@@ -186,7 +192,6 @@ def stability(
 ) -> None:
     """The memory's inner loop at any input scale, depth, chunk size and gates: the fraction of runs that stay finite,
     with the default rule and the paper's, in streams (test time and training) and in a training sweep."""
-    import sys
     from concurrent.futures import ProcessPoolExecutor
     from functools import partial
     from multiprocessing import get_context
@@ -225,7 +230,7 @@ def stability(
         typer.echo(format_summary("training sweep: finite runs (loss, parameters)", summaries["training"]))
     if out is not None:
         out.write_text(json.dumps({
-            "command": "titans " + " ".join(sys.argv[1:]), "machine": describe_machine(), "tokens": tokens,
+            **_provenance(), "tokens": tokens,
             "train_tokens": train_tokens, "train_steps": train_steps, "summaries": summaries,
             "streams": as_json(stream_results), "training": as_json(train_results)}, indent=1))
         typer.echo(f"wrote {out}")
@@ -253,7 +258,6 @@ def recall(
 ) -> None:
     """Every variant with the default settings, trained on passkey, MQAR and key-value recall across noise; accuracy
     at 1x, 4x and 8x the training length."""
-    import sys
     from concurrent.futures import ProcessPoolExecutor
     from multiprocessing import get_context
 
@@ -276,7 +280,7 @@ def recall(
     typer.echo(f"skipped training steps (non-finite loss or gradient), all runs: {skipped}")
     if out is not None:
         out.write_text(json.dumps({
-            "command": "titans " + " ".join(sys.argv[1:]), "machine": describe_machine(), "steps": steps,
+            **_provenance(), "steps": steps,
             "train_length": train_length, "multiples": list(MULTIPLES), "sizes": SIZES, "overrides": overrides or [],
             "tasks": {t: {"options": TASKS[t].options, "metric": TASKS[t].metric, "about": TASKS[t].about}
                       for t in chosen_tasks},
@@ -302,7 +306,6 @@ def backward(
 ) -> None:
     """The memory's backward pass on a trained checkpoint: per block, the gradient of the training loss with respect
     to the memory state at every segment boundary, the loss and the gradient norm before clipping."""
-    import sys
 
     import torch
 
@@ -325,7 +328,7 @@ def backward(
                    f"growth per segment back, per block: {factors(r.growth())} (the memory's update alone: "
                    f"{factors(r.update_growth())})")
     if out is not None:
-        out.write_text(json.dumps({"command": "titans " + " ".join(sys.argv[1:]), "machine": describe_machine(),
+        out.write_text(json.dumps({**_provenance(),
                                    "checkpoint": str(path), "overrides": overrides or [],
                                    "dtype": precision,
                                    "replays": [{**dataclasses.asdict(r), "growth": r.growth(),
@@ -351,7 +354,6 @@ def generate(
 ) -> None:
     """Generation tokens/s of every variant at the efficiency experiment's model config, interleaved in one process,
     with the ratio to the transformer measured in the same run and the ATen operations per token."""
-    import sys
 
     import torch
 
@@ -369,7 +371,7 @@ def generate(
                f"{prompt_len}-token prompt, best of {rounds} interleaved rounds; model {base['model']}")
     typer.echo(format_table(rows))
     if out is not None:
-        out.write_text(json.dumps({"command": "titans " + " ".join(sys.argv[1:]), "machine": describe_machine(),
+        out.write_text(json.dumps({**_provenance(),
                                    "model": base["model"], "prompt_len": prompt_len, "new_tokens": new_tokens,
                                    "rounds": rounds, "rows": rows}, indent=1))
         typer.echo(f"wrote {out}")
