@@ -1016,6 +1016,30 @@ def test_the_second_metric_is_the_mean_over_seeds_in_the_json_and_a_table_under_
     assert "| 0.00 |" in headline and "0.50 (0.25–0.75)" in second and "0.50" not in headline
 
 
+def test_a_grid_headlined_by_the_share_shows_exact_match_beside_it_and_never_one_metric_twice():
+    """ablations_niah is headlined by the share of the key's digits (exact match was 0 for most rows at its budget when
+    it was built) and shows exact match beside it: the pairing reversed, the same table under each panel. A grid
+    whose second metric is its headline is refused when it is loaded, naming both."""
+    from titans.experiments.report import section
+
+    exp = load_experiment("ablations_niah", quick=True, folder=FOLDER)
+    assert exp.metric == "token_accuracy" and exp.second_metric == "accuracy"
+    runs = expand(exp)
+    summaries = [{"results": {str(n): {"accuracy": 0.25, "token_accuracy": 0.75, "loss": 1.0}
+                              for n in run.config.task.eval_lengths},
+                  "num_parameters": 10, "step": 2, "train_seconds": 1.0} for run in runs]
+    data = {"experiment": exp.name, "metric": exp.metric, "higher_is_better": True,
+            **train_results(exp, runs, summaries)}
+    setting = runs[0].setting(runs[0].config.task.eval_lengths[-1], exp)
+    model = runs[0].model
+    assert data["results"][model][setting] == 0.75 and data["second"]["results"][model][setting] == 0.25
+    headline, second = section(data, Path("a.json"), Path("a.png"), Path(".")).split("Beside it, accuracy: exact match")
+    assert "| 0.75 |" in headline and "| 0.25 |" not in headline
+    assert "| 0.25 |" in second and "| 0.75 |" not in second
+    with pytest.raises(ValueError, match="second_metric must differ from metric"):
+        exp.replace(second_metric="token_accuracy")
+
+
 def test_every_committed_json_holds_its_grids_words():
     """A grid's title, about and discussion are written in its YAML and copied into its JSON when it runs (the
     report reads the JSON): an edit to the YAML that was never run through `titans experiment run NAME --no-train`

@@ -425,7 +425,8 @@ def section(data: dict[str, Any], json_path: Path, plot_path: Path, relative_to:
 
 # what a second metric (the experiment's `second_metric`, the JSON's "second") is, in the sentence above its table
 SECOND_TEXT = {"token_accuracy": "the share of the answer's tokens predicted right, which shows a model that learned "
-                                  "part of the answer where exact match scores it 0"}
+                                  "part of the answer where exact match scores it 0",
+               "accuracy": "exact match, the share of answers with every token right (the whole key)"}
 
 
 def second_table(data: dict[str, Any], panel: dict[str, Any], labels: list[str]) -> list[str]:
