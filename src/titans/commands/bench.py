@@ -16,13 +16,13 @@ bench_app = typer.Typer(help="Throughput and memory benchmarks.", no_args_is_hel
 
 
 @bench_app.callback()
+def _group() -> None:
+    """Throughput and memory benchmarks (commands, not tests)."""
+
 
 def _provenance() -> dict[str, str]:
     """What every bench JSON records first: the command that wrote it and the machine it ran on."""
     return {"command": "titans " + " ".join(sys.argv[1:]), "machine": describe_machine()}
-
-def _group() -> None:
-    """Throughput and memory benchmarks (commands, not tests)."""
 
 
 def _int_list(text: str, name: str, minimum: int = 1) -> list[int]:
